@@ -1,2 +1,14 @@
-"""timm-affinediv: the layers of "The Affine Divergence" (ICLR 2026) for timm."""
+"""timm-affinediv: the layers of "The Affine Divergence" (ICLR 2026) for timm.
+
+Importing the package registers `norm_layer="patchnorm"` (and `l2norm`, `l2norm2d`) with timm.
+"""
+from .affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant, patch_sq_norm
+from .binding import bind_patchnorm, describe_slots, divergence_corrected
+from .diagnostics import update_factor
+from .norm import L2Norm, L2Norm2d, l2_normalise
+from .register import register
+from .slot import PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding
+
 __version__ = "0.1.0"
+
+register()

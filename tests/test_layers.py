@@ -1,0 +1,223 @@
+"""The layer properties of the design doc (section 3), in float64, over a grid of geometries."""
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm_affinediv import (
+    AffineDivLinear, L2Norm, L2Norm2d, PatchNormConv2d, divergence_constant, update_factor)
+
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+# (in, out, kernel, stride, padding, dilation, groups, padding_mode)
+CONV_GEOMETRIES = [
+    (3, 4, 3, 1, 1, 1, 1, 'zeros'),
+    (4, 6, 3, 2, 1, 1, 2, 'zeros'),
+    (6, 6, 5, 1, 2, 1, 6, 'zeros'),            # depthwise
+    (4, 8, 7, 2, 3, 1, 4, 'zeros'),            # depthwise, channel multiplier 2
+    (5, 3, (3, 2), (2, 1), (0, 1), 1, 1, 'zeros'),
+    (4, 4, 3, 1, 'same', 2, 1, 'zeros'),       # dilated, "same"
+    (4, 4, 4, 1, 'same', 1, 2, 'zeros'),       # even kernel: asymmetric "same"
+    (4, 6, 3, 1, 'valid', (2, 1), 2, 'zeros'),
+    (3, 5, 3, 2, 4, 1, 1, 'zeros'),            # padding wider than half the kernel
+    (3, 4, 1, 1, 0, 1, 1, 'zeros'),            # 1x1: a Linear over channels
+    (4, 4, 2, 2, 0, 1, 1, 'zeros'),            # ConvNeXt downsample
+    (3, 4, 3, 1, 1, 1, 1, 'reflect'),
+    (4, 4, 3, 2, 1, 1, 2, 'replicate'),
+    (2, 3, 3, 1, 2, 2, 1, 'circular'),
+]
+GRID = list(itertools.product(CONV_GEOMETRIES, (True, False), ('rms', 'l2')))
+
+
+def _geometry_id(case):
+    (cin, cout, k, s, p, d, g, mode), bias, scale = case
+    return f'c{cin}-{cout}_k{k}_s{s}_p{p}_d{d}_g{g}_{mode}_{"bias" if bias else "nobias"}_{scale}'
+
+
+def _conv(geometry, bias, scale, cls=PatchNormConv2d):
+    cin, cout, k, s, p, d, g, mode = geometry
+    kwargs = dict(stride=s, padding=p, dilation=d, groups=g, bias=bias, padding_mode=mode)
+    if cls is PatchNormConv2d:
+        kwargs['scale'] = scale
+    torch.manual_seed(0)
+    conv = cls(cin, cout, k, **kwargs)
+    if bias:
+        nn.init.normal_(conv.bias)
+    return conv
+
+
+def _padded(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    mode = 'constant' if conv.padding_mode == 'zeros' else conv.padding_mode
+    return F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
+
+
+def _patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """im2col columns per group: (N, groups, C_in/groups * kh * kw, L), padding applied as the conv does."""
+    cols = F.unfold(_padded(conv, x), conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    return cols.unflatten(1, (conv.groups, -1))
+
+
+def _reference(conv: PatchNormConv2d, x: torch.Tensor) -> torch.Tensor:
+    cols = _patches(conv, x)
+    w = conv.weight.flatten(1).unflatten(0, (conv.groups, -1))            # (G, O/G, K)
+    out = torch.einsum('gok,ngkl->ngol', w, cols)
+    sq = cols.square().sum(2)                                                # (N, G, L)
+    if conv.bias is not None:
+        out = out + conv.bias.view(conv.groups, -1, 1)
+        sq = sq + 1
+    else:
+        sq = sq + conv.eps
+    out = out / (sq / conv.divergence_constant).sqrt().unsqueeze(2)
+    h, w = _padded(conv, x).shape[-2:]
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    return out.flatten(1, 2).unflatten(2, ((h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1))
+
+
+def _positions(y: torch.Tensor):
+    n, _, h, w = y.shape
+    return [(0, slice(None), 0, 0), (n - 1, slice(None), h - 1, w - 1), (n - 1, slice(None), h // 2, w // 3)]
+
+
+@pytest.mark.parametrize('case', GRID, ids=_geometry_id)
+def test_patchnorm_matches_im2col_reference(case):
+    conv = _conv(*case)
+    x = torch.randn(2, conv.in_channels, 9, 8)
+    torch.testing.assert_close(conv(x), _reference(conv, x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize('case', GRID, ids=_geometry_id)
+def test_patchnorm_update_factor_is_c(case):
+    """One SGD step on the layer's weight and bias moves the touched position by exactly c."""
+    conv = _conv(*case)
+    x = torch.randn(2, conv.in_channels, 9, 8)
+    sq = _patches(conv, x).square().sum(2)                                   # (N, G, L)
+    y = conv(x)
+    for index in _positions(y):
+        factor = update_factor(lambda: conv(x), [conv.weight, conv.bias], index)
+        if conv.bias is not None:
+            expected = torch.full_like(factor, conv.divergence_constant)
+        else:  # c |P|^2 / (|P|^2 + eps): c up to the 0/0 guard
+            n, _, i, j = index
+            p_sq = sq[n, :, i * y.shape[-1] + j].repeat_interleave(conv.out_channels // conv.groups)
+            expected = conv.divergence_constant * p_sq / (p_sq + conv.eps)
+        torch.testing.assert_close(factor, expected, rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize('case', GRID[::2], ids=_geometry_id)
+def test_plain_conv_update_factor_is_patch_norm(case):
+    """The divergence is real: a plain conv with the same weights moves by |P_p|^2 + 1 (|P_p|^2)."""
+    geometry, bias, _ = case
+    conv = _conv(geometry, bias, None, cls=nn.Conv2d)
+    x = torch.randn(2, conv.in_channels, 9, 8)
+    sq = _patches(conv, x).square().sum(2)
+    y = conv(x)
+    factors = []
+    for n, _, i, j in _positions(y):
+        factor = update_factor(lambda: conv(x), [conv.weight, conv.bias], (n, slice(None), i, j))
+        expected = (sq[n, :, i * y.shape[-1] + j] + float(bias)).repeat_interleave(conv.out_channels // conv.groups)
+        torch.testing.assert_close(factor, expected, rtol=1e-7, atol=1e-9)
+        factors.append(factor)
+    factors = torch.stack(factors)
+    spread = (factors.amax(0) - factors.amin(0)) / factors.amax(0)
+    assert spread.max() > 0.05, 'the plain conv should give positions different factors'
+
+
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('scale', ['rms', 'l2'])
+def test_affine_div_linear(bias, scale):
+    torch.manual_seed(0)
+    lin = AffineDivLinear(7, 5, bias=bias, scale=scale)
+    x = torch.randn(3, 4, 7) * torch.rand(3, 4, 1) * 5                     # varied sample norms
+    sq = x.square().sum(-1)
+    expected_out = F.linear(x, lin.weight, lin.bias) / ((sq + (1 if bias else lin.eps)) /
+                                                        lin.divergence_constant).sqrt().unsqueeze(-1)
+    torch.testing.assert_close(lin(x), expected_out, rtol=1e-12, atol=1e-12)
+    assert lin.divergence_constant == divergence_constant(7, bias, scale) == (7 + bias if scale == 'rms' else 1)
+    plain = nn.Linear(7, 5, bias=bias)
+    plain.load_state_dict(lin.state_dict())
+    for index in [(0, 0, slice(None)), (2, 3, slice(None))]:
+        factor = update_factor(lambda: lin(x), [lin.weight, lin.bias], index)
+        torch.testing.assert_close(factor, torch.full_like(factor, float(lin.divergence_constant)), rtol=1e-7, atol=0)
+        plain_factor = update_factor(lambda: plain(x), [plain.weight, plain.bias], index)
+        torch.testing.assert_close(plain_factor, (sq[index[:2]] + float(bias)).expand(5), rtol=1e-7, atol=0)
+
+
+def test_pointwise_patchnorm_is_affine_div_linear():
+    """A 1x1 PatchNorm is AffineDivLinear over the channel vector at each position."""
+    conv = PatchNormConv2d(6, 4, 1)
+    lin = AffineDivLinear(6, 4)
+    lin.weight.data.copy_(conv.weight.flatten(1))
+    lin.bias.data.copy_(conv.bias)
+    x = torch.randn(2, 6, 5, 5)
+    torch.testing.assert_close(conv(x), lin(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+@pytest.mark.parametrize('cls,dim', [(L2Norm, -1), (L2Norm2d, 1)])
+@pytest.mark.parametrize('scale', ['l2', 'rms'])
+def test_l2_normaliser(cls, dim, scale):
+    norm = cls(6, scale=scale)
+    x = torch.randn(3, 6, 4, 6) * 10
+    y = norm(x)
+    c = 6 if scale == 'rms' else 1
+    torch.testing.assert_close(y.square().sum(dim), torch.full_like(y.sum(dim), c), rtol=1e-6, atol=0)
+    # after the normaliser, a linear layer's factor |x|^2 + 1 is the constant c + 1
+    head = nn.Linear(6, 3)
+    features = norm(torch.randn(4, 6) * torch.tensor([[0.1], [1.0], [10.0], [100.0]]) if dim == -1 else
+                    torch.randn(4, 6, 1, 1) * torch.tensor([0.1, 1.0, 10.0, 100.0]).view(4, 1, 1, 1)).flatten(1)
+    for n in range(4):
+        factor = update_factor(lambda: head(features), [head.weight, head.bias], (n, slice(None)))
+        torch.testing.assert_close(factor, (features[n].square().sum() + 1).expand(3), rtol=1e-7, atol=0)
+        torch.testing.assert_close(factor, torch.full_like(factor, c + 1.0), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_half_precision_does_not_overflow(dtype):
+    """|P|^2 of large float16 activations exceeds 65504; the norms are taken in float32."""
+    conv = PatchNormConv2d(16, 8, 3, padding=1).float()
+    lin = AffineDivLinear(64, 8).float()
+    x = torch.randn(2, 16, 6, 6, dtype=torch.float32) * 200
+    v = torch.randn(2, 64, dtype=torch.float32) * 200
+    for layer, inp in [(conv, x), (lin, v)]:
+        expected = layer(inp)
+        out = layer.to(dtype)(inp.to(dtype))
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+        layer.float()
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match='padding_mode'):
+        PatchNormConv2d(3, 4, 3, padding=1, padding_mode='mirror')
+    with pytest.raises(ValueError, match='scale'):
+        PatchNormConv2d(3, 4, 3, scale='frobenius')
+    with pytest.raises(ValueError, match='scale'):
+        AffineDivLinear(3, 4, scale='max')
+    conv = PatchNormConv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r'4-D input \(N, C, H, W\)'):
+        conv(torch.randn(3, 8, 8))
+    with pytest.raises(ValueError, match='3 input channels'):
+        conv(torch.randn(1, 5, 8, 8))
+    with pytest.raises(ValueError, match='in_features=3'):
+        AffineDivLinear(3, 4)(torch.randn(2, 5))
+    with pytest.raises(ValueError, match='in_features=3'):
+        AffineDivLinear(3, 4)(torch.tensor(1.0))
+
+
+def test_from_conv_and_from_linear_share_parameters():
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+    pn = PatchNormConv2d.from_conv(conv, bias=True)
+    assert pn.weight is conv.weight and torch.equal(pn.bias, torch.zeros(6))
+    assert (pn.stride, pn.padding, pn.groups) == (conv.stride, conv.padding, conv.groups)
+    lin = nn.Linear(4, 2)
+    ad = AffineDivLinear.from_linear(lin, scale='l2')
+    assert ad.weight is lin.weight and ad.bias is lin.bias and ad.scale == 'l2'

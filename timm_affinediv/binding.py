@@ -1,0 +1,165 @@
+""" Binding `patchnorm` slots to the affine maps beside them, from the traced data flow
+
+`bind_patchnorm(model)` traces the model with `torch.fx` (timm's leaf modules and wrapped
+functions respected), and for every `patchnorm` slot follows the data flow, through layout-only
+operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
+
+- its producer: the `nn.Conv2d`/`nn.Linear` whose output reaches only this slot. It becomes
+  `PatchNormConv2d`/`AffineDivLinear`, with a zero-initialised pre-division bias where it had
+  none, so its divergence factor is exactly `c`;
+- its consumers: the `nn.Conv2d`/`nn.Linear` that the slot's output reaches alone (ConvNeXt's
+  `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`), made divergence corrected too.
+
+Modules are replaced in place at the same attribute, so parameter names stay those of the
+original model (`layer1.0.conv1.weight`) and a checkpoint's weights load 1:1. A slot with
+neither neighbour stays standalone (see `timm_affinediv.slot`). Binding is idempotent and
+can be repeated after changing a model (e.g. `reset_classifier`). `timm.create_model` binds
+automatically once `timm_affinediv` is imported.
+"""
+import logging
+from typing import Dict, List, Optional, Tuple
+
+import torch.fx as fx
+import torch.nn as nn
+from timm.layers import get_notrace_functions, get_notrace_modules
+
+from .affine_div import AffineDivLinear, PatchNormConv2d
+from .slot import PatchNormSlot, SlotBinding
+
+__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected']
+
+_logger = logging.getLogger(__name__)
+
+_AFFINE_TYPES = (nn.Conv2d, nn.Linear)
+_LAYOUT_MODULES = (nn.Identity, nn.Dropout, nn.Flatten)
+_LAYOUT_METHODS = {'permute', 'reshape', 'view', 'flatten', 'contiguous'}
+_LAYOUT_FUNCTIONS = {'permute', 'reshape', 'flatten', 'dropout'}
+
+
+class _BindingTracer(fx.Tracer):
+    """Traces down to affine layers and slots; timm's own no-trace modules stay leaves too."""
+
+    def __init__(self):
+        super().__init__(autowrap_functions=tuple(get_notrace_functions()))
+        self._leaf_types = tuple(get_notrace_modules()) + _AFFINE_TYPES + (PatchNormSlot,)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self._leaf_types) or super().is_leaf_module(m, module_qualified_name)
+
+
+def divergence_corrected(module: nn.Module, scale: str = 'rms') -> nn.Module:
+    """ The divergence-corrected form of an `nn.Conv2d`/`nn.Linear`, sharing its parameters.
+
+    A convolution gets a zero pre-division bias if it had none. Layers already corrected are
+    returned as they are.
+    """
+    if isinstance(module, (PatchNormConv2d, AffineDivLinear)):
+        return module
+    if type(module) is nn.Conv2d:
+        return PatchNormConv2d.from_conv(module, scale=scale, bias=True)
+    if type(module) is nn.Linear:
+        return AffineDivLinear.from_linear(module, scale=scale)
+    raise TypeError(f"no divergence-corrected form of {type(module).__name__}; "
+                    "only nn.Conv2d and nn.Linear (exact types) can be converted")
+
+
+def _is_layout_op(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    if node.op == 'call_module':
+        return type(modules[node.target]) in _LAYOUT_MODULES
+    if node.op == 'call_method':
+        return node.target in _LAYOUT_METHODS
+    if node.op == 'call_function':
+        return getattr(node.target, '__name__', '') in _LAYOUT_FUNCTIONS
+    return False
+
+
+def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> bool:
+    if node.op != 'call_module' or calls[node.target] != 1:
+        return False
+    module = modules[node.target]
+    return type(module) in _AFFINE_TYPES or isinstance(module, (PatchNormConv2d, AffineDivLinear))
+
+
+def _find_producer(slot_node: fx.Node, modules, calls) -> Tuple[Optional[str], str]:
+    node = slot_node.args[0]
+    while isinstance(node, fx.Node) and len(node.users) == 1:
+        if _is_replaceable_affine(node, modules, calls):
+            return node.target, ''
+        if not _is_layout_op(node, modules):
+            return None, f'fed by {node.format_node().split("=", 1)[-1].strip()[:60]}'
+        node = node.args[0]
+    if isinstance(node, fx.Node) and len(node.users) > 1:
+        return None, f'its input {node.name} also feeds {len(node.users) - 1} other node(s)'
+    return None, 'no producer'
+
+
+def _find_consumers(slot_node: fx.Node, modules, calls) -> Tuple[Tuple[str, ...], str]:
+    node = slot_node
+    while len(node.users) == 1:
+        (node,) = node.users
+        if _is_replaceable_affine(node, modules, calls) and node.args[0] is not None:
+            return (node.target,), ''
+        if not _is_layout_op(node, modules):
+            return (), f'feeds {node.name}'
+    return (), f'its output feeds {len(node.users)} nodes' if node.users else 'its output is unused'
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition('.')
+    setattr(model.get_submodule(parent_path), name, new)
+
+
+def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
+    """ Bind every `patchnorm` slot of `model` to its neighbours (in place) and return the bindings.
+
+    A no-op for models without slots. Raises `RuntimeError` if the model cannot be traced.
+    """
+    slots = {name: m for name, m in model.named_modules() if isinstance(m, PatchNormSlot)}
+    if not slots:
+        return []
+    try:
+        graph = _BindingTracer().trace(model)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot bind the patchnorm slots of {type(model).__name__}: torch.fx could not trace it "
+            f"({type(e).__name__}: {e}). Use a traceable model, or a norm layer other than 'patchnorm'."
+        ) from e
+    modules = dict(model.named_modules())
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == 'call_module':
+            calls[node.target] = calls.get(node.target, 0) + 1
+
+    bindings: Dict[str, SlotBinding] = {}
+    for node in graph.nodes:
+        if node.op != 'call_module' or node.target not in slots:
+            continue
+        if calls[node.target] != 1:
+            bindings[node.target] = SlotBinding(node.target, note=f'called {calls[node.target]} times in forward')
+            continue
+        producer, producer_note = _find_producer(node, modules, calls)
+        consumers, consumer_note = _find_consumers(node, modules, calls)
+        note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
+        bindings[node.target] = SlotBinding(node.target, producer, consumers, note)
+
+    for name, slot in slots.items():
+        binding = bindings.get(name, SlotBinding(name, note='not reached by forward'))
+        for path in filter(None, (binding.producer, *binding.consumers)):
+            modules[path] = divergence_corrected(modules[path], scale=slot.scale)
+            _replace(model, path, modules[path])
+        slot.bind(binding)
+        if not binding.bound:
+            _logger.info(f'patchnorm slot {name} is standalone (RMS normaliser + affine): {binding.note}')
+    return [slots[name].binding for name in slots]
+
+
+def describe_slots(model: nn.Module) -> List[SlotBinding]:
+    """ Every `patchnorm` slot of `model` and what it is bound to (or why it is standalone).
+
+    Module paths are those of the model as it was bound; an unbound slot has `binding=None`
+    and is reported with the note 'not bound'.
+    """
+    return [
+        m.binding if m.binding is not None else SlotBinding(name, note='not bound')
+        for name, m in model.named_modules() if isinstance(m, PatchNormSlot)
+    ]

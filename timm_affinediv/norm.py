@@ -1,0 +1,74 @@
+""" The normalisers the affine divergence derives: L2Norm and L2Norm2d
+
+Normalising the input of an affine layer to a fixed norm makes its divergence factor
+`|x|^2 + 1` a constant that the learning rate absorbs:
+
+    y = weight * x / sqrt(|x|^2 / c + eps) + bias
+
+with `c = 1` (`scale="l2"`, the L2 normaliser `x / |x|`) or `c = n`, the number of features
+(`scale="rms"`, the RMS normaliser `sqrt(n) x / |x|`, timm's `rmsnorm`). Norms in float32.
+"""
+import torch
+import torch.nn as nn
+from timm.layers import register_notrace_module
+
+from .affine_div import _check_scale, at_least_float32
+
+__all__ = ['L2Norm', 'L2Norm2d', 'l2_normalise']
+
+
+def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(|x|^2 / c + eps)` over `dim`, `c = 1` ("l2") or `x.shape[dim]` ("rms")."""
+    c = x.shape[dim] if _check_scale(scale) == 'rms' else 1
+    with torch.autocast(x.device.type, enabled=False):
+        x32 = at_least_float32(x)
+        inv_norm = x32.square().sum(dim, keepdim=True).div_(c).add_(eps).rsqrt()
+        return (x32 * inv_norm).to(x.dtype)
+
+
+@register_notrace_module
+class L2Norm(nn.Module):
+    """ L2 normaliser over the last dimension, with a per-feature affine.
+
+    `y = weight * x / sqrt(|x|^2 / c + eps) + bias`, `c = 1` for "l2", `num_features` for "rms".
+    """
+    channel_dim = -1
+
+    def __init__(self, num_features: int, eps: float = 1e-6, affine: bool = True, scale: str = 'l2',
+                 device=None, dtype=None):
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.scale = _check_scale(scale)
+        if affine:
+            self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter('weight', None)
+            self.register_parameter('bias', None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = l2_normalise(x, self.channel_dim, self.scale, self.eps)
+        if self.weight is None:
+            return x
+        return channel_affine(x, self.weight, self.bias, self.channel_dim)
+
+    def extra_repr(self) -> str:
+        return f'{self.num_features}, eps={self.eps}, scale={self.scale}'
+
+
+@register_notrace_module
+class L2Norm2d(L2Norm):
+    """ L2 normaliser over the channels of an (N, C, H, W) tensor, at every position, with affine.
+
+    `y = weight * x / sqrt(|x|^2 / c + eps) + bias`, `|x|` over C, `c = 1` ("l2") or C ("rms").
+    """
+    channel_dim = 1
+
+
+def channel_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """`weight * x + bias` with per-channel parameters along `channel_dim` (1 or -1), in x's dtype."""
+    if channel_dim == 1:
+        shape = (-1,) + (1,) * (x.dim() - 2)
+        weight, bias = weight.view(shape), bias.view(shape)
+    return torch.addcmul(bias.to(x.dtype), x, weight.to(x.dtype))

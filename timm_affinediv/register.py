@@ -1,0 +1,64 @@
+""" Registration with timm's factories, on `import timm_affinediv`
+
+Adds, without changing any of timm's own entries:
+- `patchnorm` (`PatchNorm2d` slot), `l2norm` (`L2Norm`) and `l2norm2d` (`L2Norm2d`) to the norm
+  factory (`get_norm_layer`/`create_norm_layer`);
+- `patchnorm` (`PatchNormAct2d`) to the norm+act factory (`get_norm_act_layer`);
+- `patchnorm` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
+  `convnext_*` takes them in both MLP layouts;
+- a step inside `timm.create_model` (timm's model builder, after construction and before
+  pretrained weights load) that binds the model's `patchnorm` slots.
+Idempotent.
+"""
+import functools
+
+import timm.layers.create_norm as create_norm
+import timm.layers.create_norm_act as create_norm_act
+import timm.models._builder as builder
+import timm.models.convnext as convnext
+
+from .binding import bind_patchnorm
+from .norm import L2Norm, L2Norm2d
+from .slot import PatchNorm, PatchNorm2d, PatchNormAct2d
+
+__all__ = ['register']
+
+NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
+NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d)
+CONVNEXT_NORM_LAYERS = dict(patchnorm=(PatchNorm2d, PatchNorm), l2norm=(L2Norm2d, L2Norm))
+
+
+def _add_entries(table: dict, entries: dict, where: str) -> None:
+    for name, layer in entries.items():
+        if table.setdefault(name, layer) != layer:
+            raise RuntimeError(
+                f"timm's {where} already has a different '{name}' ({table[name]!r}); "
+                "timm_affinediv will not replace timm's own entries")
+
+
+def _binding_init_model_traits(init_model_traits):
+    @functools.wraps(init_model_traits)
+    def init_model_traits_and_bind(model, *args, **kwargs):
+        bind_patchnorm(model)
+        return init_model_traits(model, *args, **kwargs)
+    init_model_traits_and_bind.binds_patchnorm = True
+    return init_model_traits_and_bind
+
+
+def register() -> None:
+    """Register the layers with timm's factories and bind `patchnorm` slots in `create_model`."""
+    _add_entries(create_norm._NORM_MAP, NORM_LAYERS, 'norm factory')
+    create_norm._NORM_TYPES.update(NORM_LAYERS.values())
+    _add_entries(create_norm_act._NORM_ACT_MAP, NORM_ACT_LAYERS, 'norm-act factory')
+    create_norm_act._NORM_ACT_TYPES.update(NORM_ACT_LAYERS.values())
+    create_norm_act._NORM_ACT_REQUIRES_ARG.update(NORM_ACT_LAYERS.values())
+    # the norm-act factory maps a norm class to its norm-act twin by the class name
+    _add_entries(create_norm_act._NORM_TO_NORM_ACT_MAP, dict(patchnorm2d=PatchNormAct2d), 'norm-act factory')
+    _add_entries(convnext._NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
+
+    if not hasattr(builder, '_init_model_traits'):
+        raise ImportError(
+            "timm_affinediv binds patchnorm slots inside timm's model builder, which this timm "
+            f"({getattr(__import__('timm'), '__version__', '?')}) lacks: install timm>=1.0.31,<1.1")
+    if not getattr(builder._init_model_traits, 'binds_patchnorm', False):
+        builder._init_model_traits = _binding_init_model_traits(builder._init_model_traits)

@@ -1,0 +1,122 @@
+""" The `patchnorm` norm slot: what `norm_layer="patchnorm"` builds in a timm model
+
+timm constructs a norm layer knowing only its channel count, but PatchNorm divides a
+convolution by the norms of *its input's* patches. So the norm layer timm builds is a slot:
+a per-channel affine (`weight`, `bias`, so BatchNorm/LayerNorm checkpoints map onto it)
+that `bind_patchnorm` binds to the affine maps beside it, turning the convolution or linear
+that feeds it into `PatchNormConv2d`/`AffineDivLinear` (with a pre-division bias) and the one
+it feeds into its divergence-corrected form too. A bound slot computes
+
+    y = weight * x + bias
+
+An unbound slot (nothing affine beside it, or not yet bound) takes the standalone form, the
+RMS normaliser over channels followed by the affine (`rmsnorm`, the affine divergence's
+solution (a)): `y = weight * x / sqrt(mean_c(x^2) + eps) + bias`.
+"""
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple, Type
+
+import torch
+import torch.nn as nn
+from timm.layers import register_notrace_module
+from timm.layers.norm_act import _create_act
+from timm.layers.typing import LayerType
+
+from .affine_div import _check_scale
+from .norm import channel_affine, l2_normalise
+
+__all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'SlotBinding']
+
+
+@dataclass(frozen=True)
+class SlotBinding:
+    """ What a slot is bound to, by module path in the model that was bound.
+
+    `producer` is the convolution/linear feeding the slot, `consumers` those it feeds; both
+    were made divergence corrected. A slot with neither is standalone, and `note` says why.
+    """
+    slot: str
+    producer: Optional[str] = None
+    consumers: Tuple[str, ...] = ()
+    note: str = ''
+
+    @property
+    def bound(self) -> bool:
+        return self.producer is not None or bool(self.consumers)
+
+
+class PatchNormSlot(nn.Module):
+    """ Base of the `patchnorm` slots: per-channel affine once bound, RMS normaliser + affine before.
+
+    `scale` ("rms" or "l2") is the scaling the bound affine maps get.
+    """
+    channel_dim = 1
+
+    def __init__(self, num_features: int, eps: float = 1e-6, scale: str = 'rms', device=None, dtype=None):
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.scale = _check_scale(scale)
+        self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
+        self.binding: Optional[SlotBinding] = None
+        # a plain bool, so torch.compile guards on it cheaply
+        self.bound = False
+
+    def bind(self, binding: SlotBinding) -> None:
+        self.binding = binding
+        self.bound = binding.bound
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[self.channel_dim] != self.num_features:
+            raise ValueError(
+                f"{type(self).__name__} expects {self.num_features} channels in dim {self.channel_dim}, "
+                f"got shape {tuple(x.shape)}")
+        if not self.bound:
+            x = l2_normalise(x, self.channel_dim, 'rms', self.eps)
+        return channel_affine(x, self.weight, self.bias, self.channel_dim)
+
+    def extra_repr(self) -> str:
+        state = 'standalone' if self.binding is not None and not self.bound else (
+            'bound' if self.bound else 'unbound')
+        return f'{self.num_features}, scale={self.scale}, {state}'
+
+
+@register_notrace_module
+class PatchNorm2d(PatchNormSlot):
+    """The `patchnorm` slot for (N, C, H, W) tensors (ResNet's `bn`, ConvNeXt's `conv_mlp` norms)."""
+    channel_dim = 1
+
+
+@register_notrace_module
+class PatchNorm(PatchNormSlot):
+    """The `patchnorm` slot over the last dimension (channels-last ConvNeXt blocks, `norm -> Linear`)."""
+    channel_dim = -1
+
+
+@register_notrace_module
+class PatchNormAct2d(PatchNorm2d):
+    """ `patchnorm` slot + optional dropout + activation, for timm's norm-act factory.
+
+    Takes the arguments of timm's `BatchNormAct2d` that apply to it.
+    """
+
+    def __init__(
+            self,
+            num_features: int,
+            eps: float = 1e-6,
+            scale: str = 'rms',
+            apply_act: bool = True,
+            act_layer: LayerType = nn.ReLU,
+            act_kwargs: Optional[Dict[str, Any]] = None,
+            inplace: bool = True,
+            drop_layer: Optional[Type[nn.Module]] = None,
+            device=None,
+            dtype=None,
+    ):
+        super().__init__(num_features, eps=eps, scale=scale, device=device, dtype=dtype)
+        self.drop = drop_layer() if drop_layer is not None else nn.Identity()
+        self.act = _create_act(act_layer, act_kwargs=act_kwargs, inplace=inplace, apply_act=apply_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
