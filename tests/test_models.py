@@ -1,0 +1,209 @@
+"""`norm_layer="patchnorm"` in timm models: binding, the per-slot update factor, and timm's ways of use."""
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from timm.layers import create_norm_act_layer, create_norm_layer, get_norm_layer
+
+import timm_affinediv
+from timm_affinediv import (
+    AffineDivLinear, PatchNorm, PatchNorm2d, PatchNormAct2d, PatchNormConv2d, bind_patchnorm, describe_slots,
+    update_factor)
+
+RESNETS = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet50d', 'resnext50_32x4d', 'seresnet50',
+           'wide_resnet50_2']
+CONVNEXTS = [(name, conv_mlp) for name in ('convnext_atto', 'convnext_tiny', 'convnext_small')
+             for conv_mlp in (False, True)]
+ALL_MODELS = [(name, {}) for name in RESNETS] + [(name, dict(conv_mlp=m)) for name, m in CONVNEXTS]
+
+
+def _model_id(case):
+    name, kwargs = case
+    return name + ('_conv_mlp' if kwargs.get('conv_mlp') else '')
+
+
+def _capture(model: nn.Module, names, x: torch.Tensor):
+    """Inputs and outputs of the named modules in one forward of `model(x)`."""
+    inputs, outputs, handles = {}, {}, []
+    modules = dict(model.named_modules())
+    for name in names:
+        def hook(_, args, out, name=name):
+            # clones: in-place activations (ReLU(inplace=True)) overwrite outputs later
+            inputs[name], outputs[name] = args[0].detach().clone(), out.detach().clone()
+        handles.append(modules[name].register_forward_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    return inputs, outputs
+
+
+_LAYOUTS = [lambda y: y, lambda y: y.permute(0, 2, 3, 1), lambda y: y.flatten(1)]
+
+
+def _layout_between(produced: torch.Tensor, received: torch.Tensor):
+    """The layout-only op (identity, NCHW->NHWC, flatten) that took `produced` to `received`."""
+    for layout in _LAYOUTS:
+        moved = layout(produced)
+        if moved.shape == received.shape and torch.equal(moved, received):
+            return layout
+    raise AssertionError(f'no layout op maps {tuple(produced.shape)} to {tuple(received.shape)}')
+
+
+def _indices(out: torch.Tensor, channel_dim: int):
+    """One output vector (over channels) of the first sample and one of the last, at different positions."""
+    first, last = [0] * (out.dim() - 1), [out.shape[0] - 1] + [s - 1 for s in out.shape[1:]]
+    if channel_dim == 1:
+        last.pop(1)
+    else:
+        last.pop()
+    for index in (first, last):
+        index.insert(channel_dim % out.dim(), slice(None))
+        yield tuple(index)
+
+
+def _check_bindings(name, model):
+    slots = describe_slots(model)
+    assert slots and all(b.bound for b in slots), [b for b in slots if not b.bound]
+    modules = dict(model.named_modules())
+    for b in slots:
+        if name.startswith('convnext'):
+            if b.slot.startswith('stem') or b.slot.endswith('.norm') and 'blocks' in b.slot:
+                assert b.producer is not None
+            if 'blocks' in b.slot or 'downsample' in b.slot or b.slot == 'head.norm':
+                assert len(b.consumers) == 1
+        else:
+            assert b.producer is not None and not b.consumers
+        for path in filter(None, (b.producer, *b.consumers)):
+            assert isinstance(modules[path], (PatchNormConv2d, AffineDivLinear))
+        if b.producer is not None:
+            assert modules[b.producer].bias is not None, 'the producer needs a pre-division bias'
+    return slots
+
+
+@pytest.mark.parametrize('case', ALL_MODELS, ids=_model_id)
+def test_every_slot_is_bound_and_its_update_factor_is_constant(case):
+    name, kwargs = case
+    torch.manual_seed(0)
+    model = timm.create_model(name, norm_layer='patchnorm', num_classes=5, **kwargs).double()
+    slots = _check_bindings(name, model)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for b in slots:  # non-trivial gains; zero_init_last would make some factors 0
+            modules[b.slot].weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    bound_layers = [p for b in slots for p in filter(None, (b.producer, *b.consumers))]
+    inputs, outputs = _capture(model, [b.slot for b in slots] + bound_layers, x)
+    for b in slots:
+        slot = modules[b.slot]
+        for path in filter(None, (b.producer, *b.consumers)):
+            layer, layer_in = modules[path], inputs[path]
+            expected = torch.full((layer.weight.shape[0],), float(layer.divergence_constant), dtype=torch.float64)
+            if path == b.producer:  # measured at the slot's output, with its gain fixed
+                layout = _layout_between(outputs[path], inputs[b.slot])
+                out_fn, channel_dim = (lambda: slot(layout(layer(layer_in)))), slot.channel_dim
+                expected = expected * slot.weight.detach() ** 2
+                torch.testing.assert_close(out_fn(), outputs[b.slot])
+            else:  # a consumer is measured at its own output
+                out_fn, channel_dim = (lambda: layer(layer_in)), 1 if isinstance(layer, nn.Conv2d) else -1
+            for index in _indices(out_fn(), channel_dim):
+                factor = update_factor(out_fn, [layer.weight, layer.bias], index)
+                torch.testing.assert_close(factor, expected, rtol=1e-6, atol=1e-9, msg=f'{b.slot} via {path}')
+
+
+def test_batchnorm_model_shows_a_varying_factor():
+    """The same measurement on the BatchNorm resnet18: each position and sample gets its own factor."""
+    torch.manual_seed(0)
+    pn = timm.create_model('resnet18', norm_layer='patchnorm', num_classes=5)
+    bn = timm.create_model('resnet18', num_classes=5).double().eval()
+    modules = dict(bn.named_modules())
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64) * torch.tensor([0.5, 2.0], dtype=torch.float64).view(2, 1, 1, 1)
+    bindings = describe_slots(pn)
+    inputs, _ = _capture(bn, [b.producer for b in bindings], x)
+    spreads = []
+    for b in bindings:
+        conv, norm = modules[b.producer], modules[b.slot]
+        out_fn = lambda: norm(conv(inputs[b.producer]))
+        factors = torch.stack([update_factor(out_fn, [conv.weight], index) for index in _indices(out_fn(), 1)])
+        spreads.append(((factors[0] - factors[1]).abs() / factors.abs().amax(0)).median())
+    assert min(spreads) > 0.1, 'BatchNorm leaves a per-sample, per-position factor'
+
+
+def test_registration_is_idempotent_and_leaves_timm_entries_alone():
+    batchnorm = get_norm_layer('batchnorm')
+    timm_affinediv.register()
+    timm_affinediv.register()
+    assert get_norm_layer('batchnorm') is batchnorm is nn.BatchNorm2d
+    assert get_norm_layer('patchnorm') is PatchNorm2d
+    assert isinstance(create_norm_layer('patchnorm', 8), PatchNorm2d)
+    assert isinstance(create_norm_layer('l2norm2d', 8), timm_affinediv.L2Norm2d)
+    norm_act = create_norm_act_layer('patchnorm', 8, act_layer='silu')
+    assert isinstance(norm_act, PatchNormAct2d) and isinstance(norm_act.act, nn.SiLU)
+    import timm.models._builder as builder
+    assert not hasattr(builder._init_model_traits.__wrapped__, 'binds_patchnorm')
+
+
+def test_norm_act_slot_binds_in_a_norm_act_model():
+    model = timm.create_model('resnetv2_50', norm_layer='patchnorm', num_classes=3)
+    assert any(isinstance(m, PatchNormAct2d) for m in model.modules())
+    for b in describe_slots(model):
+        if b.slot.endswith(('norm2', 'norm3')):  # conv -> norm-act -> conv
+            assert b.producer and b.consumers, b
+        elif not b.bound:  # pre-activation norms whose output feeds both the shortcut and conv1
+            assert b.note, b
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+
+
+def test_standalone_fallback_where_nothing_can_be_bound():
+    """A slot between two activations has no affine neighbour: it is the RMS normaliser + affine."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), PatchNorm2d(4), nn.GELU())
+    (binding,) = bind_patchnorm(model)
+    assert not binding.bound and 'fed by' in binding.note and 'feeds' in binding.note
+    assert type(model[0]) is nn.Conv2d
+    x = torch.randn(2, 3, 8, 8)
+    normalised = model[2](model[1](model[0](x)))
+    torch.testing.assert_close(normalised.square().mean(1), torch.ones(2, 6, 6), rtol=1e-3, atol=1e-3)
+    # a conv whose output also goes elsewhere is not taken over
+    shared = nn.Conv2d(3, 4, 3)
+
+    class TwoUsers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = shared, PatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.norm(y) + y
+    two = TwoUsers()
+    (binding,) = bind_patchnorm(two)
+    assert not binding.bound and 'also feeds' in binding.note and type(two.conv) is nn.Conv2d
+
+
+def test_untraceable_model_gives_a_clear_error():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(3, 4, 3), PatchNorm2d(4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.norm(self.conv(x))
+            return x
+    with pytest.raises(RuntimeError, match='could not trace'):
+        bind_patchnorm(DataDependent())
+
+
+def test_reset_classifier_then_rebind():
+    model = timm.create_model('convnext_atto', norm_layer='patchnorm', num_classes=5)
+    model.reset_classifier(7)
+    assert type(model.head.fc) is nn.Linear
+    bind_patchnorm(model)
+    assert isinstance(model.head.fc, AffineDivLinear)
+    assert describe_slots(model)[-1].consumers == ('head.fc',)
+
+
+def test_slots_refuse_wrong_shapes():
+    with pytest.raises(ValueError, match='8 channels in dim 1'):
+        PatchNorm2d(8)(torch.randn(2, 4, 3, 3))
+    with pytest.raises(ValueError, match='8 channels in dim -1'):
+        PatchNorm(8)(torch.randn(2, 3, 3, 4))
