@@ -63,7 +63,7 @@ class HubServer(ThreadingHTTPServer):
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.url = f'http://127.0.0.1:{self.server_address[1]}'
-        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={'poll_interval': 0.05}, daemon=True)
 
     def __enter__(self) -> 'HubServer':
         self._thread.start()
@@ -185,7 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send(200, {
             'title': found.pull_requests[int(num) - 1], 'num': int(num), 'author': {'name': USER},
-            'createdAt': datetime.now(timezone.utc).isoformat(), 'status': 'draft',
+            'createdAt': datetime.now(timezone.utc).strftime('%Y-%m-%dT%H:%M:%S.%fZ'), 'status': 'draft',
             'repo': {'name': repo, 'type': 'model'}, 'isPullRequest': True, 'events': [],
             'changes': {'base': 'refs/heads/main'}, 'filesWithConflicts': [],
         })

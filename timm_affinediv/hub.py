@@ -48,7 +48,7 @@ CARD_NAME = 'README.md'
 REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 #: Weight formats that unpickle (and so can run code) when loaded: never published.
 PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar')
-MODEL_CARD_DIR = Path(__file__).resolve().parent.parent / 'model_cards'
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / 'model_cards' / 'patchnorm.md'
 CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv', 'patchnorm')
 _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
 
@@ -184,8 +184,7 @@ def render_model_card(
             ids), ``dataset_name`` (pretty name), ``dataset_split`` (default ``test``),
             ``license`` (default ``apache-2.0``), ``recipe`` (conversion and training text),
             ``norm_layer`` (default ``model_args['norm_layer']``), ``tags`` (added to the
-            standard ones), ``template`` (another file in ``model_cards/``). Other fields go to
-            the card's metadata as they are.
+            standard ones). Other fields go to the card's metadata as they are.
         metrics: Metric name -> value for the ``model-index``; ``top1``/``top5`` are accuracies in %.
         model_name: Default model name (the folder name).
 
@@ -195,7 +194,6 @@ def render_model_card(
     fields = dict(card or {})
     model_name = fields.pop('model_name', model_name)
     repo_id = fields.pop('repo_id', f'your-org/{model_name}')
-    template = MODEL_CARD_DIR / fields.pop('template', 'patchnorm.md')
     recipe = fields.pop('recipe', 'Not recorded.')
     dataset_name = fields.pop('dataset_name', None)
     dataset_split = fields.pop('dataset_split', 'test')
@@ -235,7 +233,7 @@ def render_model_card(
     )
     results = '\n'.join(f'| {r.metric_name} | {r.dataset_name} ({r.dataset_split}) | {r.metric_value} |'
                         for r in eval_results or [])
-    body = string.Template(template.read_text(encoding='utf-8')).substitute(
+    body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
         model_name=model_name,
         repo_id=repo_id,
         architecture=config['pretrained_cfg'].get('architecture', config['architecture']),
