@@ -290,16 +290,23 @@ def _without_weights(folder: Path, tmp: Path) -> Path:
     return tmp
 
 
-@pytest.mark.parametrize('make_folder, repo_id, message', [
-    (_without_weights, REPO_ID, 'missing model.safetensors'),
-    (_pickle_only, REPO_ID, 'pickle weight files (pytorch_model.bin)'),
-    (lambda folder, tmp: folder, 'test-org/bad--name', "invalid repo id 'test-org/bad--name'"),
-    (lambda folder, tmp: folder, 'a/b/c', 'invalid repo id'),
+def _corrupt_weights(folder: Path, tmp: Path) -> Path:
+    _without_weights(folder, tmp)
+    (tmp / 'model.safetensors').write_bytes(b'not safetensors')
+    return tmp
+
+
+@pytest.mark.parametrize('make_folder, repo_id, wrong, to_do', [
+    (_without_weights, REPO_ID, 'missing model.safetensors', 'Write one with timm_affinediv.hub.save_hub_folder'),
+    (_corrupt_weights, REPO_ID, 'model.safetensors is not a readable safetensors file', 'save_hub_folder'),
+    (_pickle_only, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
+    (lambda folder, tmp: folder, 'test-org/bad--name', "invalid repo id 'test-org/bad--name'", "Use 'org/name'"),
+    (lambda folder, tmp: folder, 'a/b/c', "invalid repo id 'a/b/c'", "Use 'org/name'"),
 ])
-def test_bad_input_is_refused_before_any_request(hub, folder, tmp_path, make_folder, repo_id, message):
-    with pytest.raises(HubError, match='Write one with|safetensors are published|Use .org/name.') as e:
+def test_bad_input_is_refused_before_any_request(hub, folder, tmp_path, make_folder, repo_id, wrong, to_do):
+    with pytest.raises(HubError) as e:
         push_to_hub(make_folder(folder, tmp_path), repo_id)
-    assert message in str(e.value)
+    assert wrong in str(e.value) and to_do in str(e.value)
     assert hub.requests == []
 
 

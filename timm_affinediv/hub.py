@@ -17,11 +17,10 @@ timm_affinediv before timm.create_model))`` for every architecture, where a norm
 would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
 """
 import json
-import logging
 import os
 import shutil
 import string
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,8 +35,6 @@ from timm.models import model_entrypoint, register_model, save_for_hf
 from torch import nn
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'plan_upload', 'push_to_hub']
-
-_logger = logging.getLogger(__name__)
 
 #: timm registry name of the entrypoint that builds the architectures of Hub folders.
 HUB_ARCH = 'timm_affinediv'
@@ -117,7 +114,8 @@ def save_hub_folder(
         _check_extra_file_name(name)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f'.{output_dir.name}.', suffix='.tmp', dir=output_dir.parent))
+    tmp_dir = _sibling(output_dir, 'tmp')
+    tmp_dir.mkdir()
     try:
         save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True)
         config_path = tmp_dir / CONFIG_NAME
@@ -153,13 +151,17 @@ def _check_extra_file_name(name: str) -> None:
         raise ValueError(f'extra file {name!r} is a pickle format; Hub folders publish safetensors only.')
 
 
+def _sibling(path: Path, kind: str) -> Path:
+    """A new hidden name beside ``path``, for a folder being written or replaced."""
+    return path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.{kind}')
+
+
 def _replace_dir(src: Path, dst: Path) -> None:
     """Rename ``src`` to ``dst``, moving an existing ``dst`` aside first and deleting it after."""
     if not dst.exists():
         src.rename(dst)
         return
-    old = Path(tempfile.mkdtemp(prefix=f'.{dst.name}.', suffix='.old', dir=dst.parent))
-    old.rmdir()
+    old = _sibling(dst, 'old')
     dst.rename(old)
     src.rename(dst)
     if old.is_dir():
@@ -182,7 +184,7 @@ def render_model_card(
         card: Free fields. Used in the card: ``repo_id`` (for the loading snippet, default
             ``your-org/<model_name>``), ``model_name``, ``base_model``, ``datasets`` (Hub dataset
             ids), ``dataset_name`` (pretty name), ``dataset_split`` (default ``test``),
-            ``license`` (default ``apache-2.0``), ``recipe`` (conversion and training text),
+            ``license`` (default: the weights' ``pretrained_cfg`` license, else ``apache-2.0``), ``recipe`` (conversion and training text),
             ``norm_layer`` (default ``model_args['norm_layer']``), ``tags`` (added to the
             standard ones). Other fields go to the card's metadata as they are.
         metrics: Metric name -> value for the ``model-index``; ``top1``/``top5`` are accuracies in %.
@@ -223,7 +225,7 @@ def render_model_card(
     data = ModelCardData(
         library_name='timm',
         pipeline_tag='image-classification',
-        license=fields.pop('license', 'apache-2.0'),
+        license=fields.pop('license', config['pretrained_cfg'].get('license', 'apache-2.0')),
         tags=tags,
         base_model=fields.pop('base_model', None),
         datasets=datasets,
@@ -236,7 +238,7 @@ def render_model_card(
     body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
         model_name=model_name,
         repo_id=repo_id,
-        architecture=config['pretrained_cfg'].get('architecture', config['architecture']),
+        architecture=config['pretrained_cfg']['architecture'],
         norm_layer=norm_layer,
         model_args=json.dumps(model_args),
         base_model=data.base_model or 'none (trained from scratch)',
@@ -259,7 +261,7 @@ class UploadPlan:
     revision: str
     private: bool
     create_pr: bool
-    token_source: str
+    token_source: str | None  # where the token comes from; None: no token
 
     def describe(self) -> str:
         """Human readable plan, one file a line (never shows the token itself)."""
@@ -268,7 +270,7 @@ class UploadPlan:
             f'endpoint: {self.endpoint}',
             f"repo:     {self.repo_id} ({'private' if self.private else 'public'} model repo if created)",
             f'revision: {target} {self.revision}',
-            f'token:    {self.token_source}',
+            f"token:    {self.token_source or 'none found (pass --token, set HF_TOKEN or run `hf auth login`)'}",
             f'files from {self.folder}:',
             *(f'  {size:>12,d}  {name}' for name, size in self.files),
             f'  {sum(size for _, size in self.files):>12,d}  total, {len(self.files)} files',
@@ -299,7 +301,10 @@ def plan_upload(
     except HFValidationError as e:
         raise HubError(f"invalid repo id {repo_id!r}: {e} Use 'org/name', e.g. 'my-org/resnet18-patchnorm'.") from e
     if create_pr and revision not in (None, constants.DEFAULT_REVISION):
-        raise HubError(f'--create-pr opens a pull request against {constants.DEFAULT_REVISION}; drop --revision.')
+        raise HubError(
+            f'create_pr (--create-pr) opens a pull request against {constants.DEFAULT_REVISION};'
+            ' do not also give a revision (--revision).'
+        )
 
     # the files upload_folder takes: every file but those its default ignore patterns skip
     paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob('*')) if p.is_file()}
@@ -319,15 +324,18 @@ def plan_upload(
     try:
         with safetensors.safe_open(paths[WEIGHTS_NAME], framework='pt'):
             pass
-    except Exception as e:  # safetensors raises its own error type for a bad header
-        raise HubError(f'{paths[WEIGHTS_NAME]} is not a readable safetensors file: {e}') from e
+    except (safetensors.SafetensorError, OSError) as e:
+        raise HubError(
+            f'{paths[WEIGHTS_NAME]} is not a readable safetensors file ({e});'
+            ' write the folder again with timm_affinediv.hub.save_hub_folder.'
+        ) from e
 
     if token is not None:
         token_source = 'given (hidden)'
     elif get_token() is not None:
         token_source = 'HF_TOKEN or saved login (hidden)'
     else:
-        token_source = 'none found (pass --token, set HF_TOKEN or run `hf auth login`)'
+        token_source = None
     return UploadPlan(
         folder=folder,
         files=tuple((n, paths[n].stat().st_size) for n in names),
@@ -399,15 +407,15 @@ def push_to_hub(
         )
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else None
-        if status == 401 and plan.token_source.startswith('none'):
+        if status == 401 and plan.token_source is None:
             raise HubError(
                 f'{plan.endpoint} requires a Hub token and none was found: pass --token (token=),'
-                ' set HF_TOKEN or run `hf auth login`. Nothing was uploaded.'
+                ' set HF_TOKEN or run `hf auth login`. Nothing was committed.'
             ) from e
         if status in (401, 403):
             raise HubError(
                 f'{plan.endpoint} refused the token ({status}) for {repo_id}: check that it is valid and has'
-                ' write access to the namespace. Nothing was uploaded.'
+                ' write access to the namespace. Nothing was committed.'
             ) from e
         summary = str(e).strip().splitlines()[0]
         raise HubError(f'{plan.endpoint} answered {status} for {repo_id}: {summary}') from e
