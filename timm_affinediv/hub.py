@@ -34,7 +34,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, 
 from timm.models import model_entrypoint, register_model, save_for_hf
 from torch import nn
 
-__all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'plan_upload', 'push_to_hub']
+__all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
 
 #: timm registry name of the entrypoint that builds the architectures of Hub folders.
 HUB_ARCH = 'timm_affinediv'
@@ -278,7 +278,7 @@ class UploadPlan:
         return '\n'.join(lines)
 
 
-def plan_upload(
+def _plan_upload(
         folder: str | Path,
         repo_id: str,
         *,
@@ -389,7 +389,7 @@ def push_to_hub(
         HubError: bad folder or repo id (before any request), no or rejected token, the
             endpoint cannot be reached or answered with an error.
     """
-    plan = plan_upload(folder, repo_id, private=private, revision=revision, create_pr=create_pr, token=token)
+    plan = _plan_upload(folder, repo_id, private=private, revision=revision, create_pr=create_pr, token=token)
     if dry_run:
         return plan
 
