@@ -1,0 +1,425 @@
+"""Publish timm-affinediv models to the Hugging Face Hub and load them back through timm.
+
+A Hub folder holds ``model.safetensors``, timm's own ``config.json`` (written by timm's
+``save_for_hf``) and ``README.md``, the model card rendered from ``model_cards/``. After
+``import timm_affinediv`` it loads with ``timm.create_model("local-dir:DIR", pretrained=True)``
+and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``.
+
+Loading without the plugin: timm looks the ``architecture`` of ``config.json`` up in its model
+registry before it builds or downloads anything else, and names it verbatim when it is unknown.
+So the folder's ``architecture`` is ``timm_affinediv.<arch> (pip install timm-affinediv, then
+import timm_affinediv before timm.create_model)``: timm ignores everything after the first ``.``
+when it looks a name up, so importing this module (``import timm_affinediv`` does) registers one
+entrypoint, ``timm_affinediv``, that builds ``<arch>``, kept in ``pretrained_cfg.architecture``,
+with the saved ``model_args``. Without the plugin the user sees
+``RuntimeError: Unknown model (timm_affinediv.<arch> (pip install timm-affinediv, then import
+timm_affinediv before timm.create_model))`` for every architecture, where a norm name alone
+would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
+"""
+import json
+import os
+import shutil
+import string
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import httpx2
+import safetensors
+import timm
+from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardData, constants, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
+from timm.models import model_entrypoint, register_model, save_for_hf
+from torch import nn
+
+__all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
+
+#: timm registry name of the entrypoint that builds the architectures of Hub folders.
+HUB_ARCH = 'timm_affinediv'
+PLUGIN_HINT = 'pip install timm-affinediv, then import timm_affinediv before timm.create_model'
+WEIGHTS_NAME = 'model.safetensors'
+CONFIG_NAME = 'config.json'
+CARD_NAME = 'README.md'
+REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
+#: Weight formats that unpickle (and so can run code) when loaded: never published.
+PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar')
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / 'model_cards' / 'patchnorm.md'
+CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv', 'patchnorm')
+_METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
+
+
+class HubError(Exception):
+    """A Hub folder, repo id or upload that cannot go ahead; the message says what to do."""
+
+
+@register_model
+def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | None = None, **kwargs: Any) -> nn.Module:
+    """Build the architecture of a timm-affinediv Hub folder (see the module docstring).
+
+    timm calls this for ``hf-hub:`` and ``local-dir:`` folders written by ``save_hub_folder``;
+    the real architecture is ``pretrained_cfg['architecture']``.
+    """
+    arch = (pretrained_cfg or {}).get('architecture')
+    if not arch:
+        raise ValueError(
+            f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
+            " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
+            " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
+        )
+    return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+
+
+def _hub_architecture(arch: str) -> str:
+    return f'{HUB_ARCH}.{arch} ({PLUGIN_HINT})'
+
+
+def save_hub_folder(
+        model: nn.Module,
+        output_dir: str | Path,
+        *,
+        model_args: dict,
+        card: dict | None = None,
+        metrics: dict | None = None,
+        extra_files: Mapping[str, str | bytes] | None = None,
+        overwrite: bool = False,
+) -> Path:
+    """Write a timm Hub folder for ``model``, atomically.
+
+    The folder holds ``model.safetensors``, timm's ``config.json`` and ``README.md`` (the model
+    card, see ``render_model_card``), plus ``extra_files`` (e.g. ``conversion_report.json``). It
+    is written to a temporary sibling directory and renamed into place, so ``output_dir`` is
+    either complete or untouched.
+
+    Args:
+        model: A timm model (created by ``timm.create_model``).
+        output_dir: Folder to create.
+        model_args: Arguments that rebuild the architecture, e.g.
+            ``{'norm_layer': 'patchnorm', 'num_classes': 10, 'in_chans': 1}``; they supplement
+            those timm recorded when it created the model and must be JSON serializable.
+        card: Free model card fields (see ``render_model_card``).
+        metrics: Measured metrics for the card's ``model-index``, e.g. ``{'top1': 91.2}``.
+        extra_files: File name -> text or bytes, written beside the model.
+        overwrite: Replace an existing ``output_dir``.
+
+    Returns:
+        ``output_dir``.
+    """
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not overwrite:
+        raise FileExistsError(f'{output_dir} already exists; pass overwrite=True (--overwrite) to replace it.')
+    extra_files = dict(extra_files or {})
+    for name in extra_files:
+        _check_extra_file_name(name)
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = _sibling(output_dir, 'tmp')
+    tmp_dir.mkdir()
+    try:
+        save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True)
+        config_path = tmp_dir / CONFIG_NAME
+        config = json.loads(config_path.read_text())
+        arch = config['architecture']
+        config['architecture'] = _hub_architecture(arch)
+        config['pretrained_cfg']['architecture'] = arch
+        if card and card.get('license'):
+            config['pretrained_cfg']['license'] = card['license']
+        config_path.write_text(json.dumps(config, indent=2))
+        render_model_card(config, card=card, metrics=metrics, model_name=output_dir.name).save(tmp_dir / CARD_NAME)
+        for name, content in extra_files.items():
+            path = tmp_dir / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                path.write_text(content, encoding='utf-8')
+        _replace_dir(tmp_dir, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def _check_extra_file_name(name: str) -> None:
+    path = Path(name)
+    if path.is_absolute() or '..' in path.parts or not path.parts:
+        raise ValueError(f'extra file {name!r}: give a relative path inside the folder.')
+    if name in REQUIRED_FILES:
+        raise ValueError(f'extra file {name!r} would replace the {name} that save_hub_folder writes.')
+    if name.endswith(PICKLE_SUFFIXES):
+        raise ValueError(f'extra file {name!r} is a pickle format; Hub folders publish safetensors only.')
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    """A new hidden name beside ``path``, for a folder being written or replaced."""
+    return path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.{kind}')
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, moving an existing ``dst`` aside first and deleting it after."""
+    if not dst.exists():
+        src.rename(dst)
+        return
+    old = _sibling(dst, 'old')
+    dst.rename(old)
+    src.rename(dst)
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def render_model_card(
+        config: dict,
+        *,
+        card: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        model_name: str,
+) -> ModelCard:
+    """Render the model card (``README.md``) of a Hub folder from ``model_cards/patchnorm.md``.
+
+    Args:
+        config: The folder's ``config.json`` content.
+        card: Free fields. Used in the card: ``repo_id`` (for the loading snippet, default
+            ``your-org/<model_name>``), ``model_name``, ``base_model``, ``datasets`` (Hub dataset
+            ids), ``dataset_name`` (pretty name), ``dataset_split`` (default ``test``),
+            ``license`` (default: the weights' ``pretrained_cfg`` license, else ``apache-2.0``), ``recipe`` (conversion and training text),
+            ``norm_layer`` (default ``model_args['norm_layer']``), ``tags`` (added to the
+            standard ones). Other fields go to the card's metadata as they are.
+        metrics: Metric name -> value for the ``model-index``; ``top1``/``top5`` are accuracies in %.
+        model_name: Default model name (the folder name).
+
+    Returns:
+        The card, parsed back by ``ModelCard`` so that its metadata is known to be valid.
+    """
+    fields = dict(card or {})
+    model_name = fields.pop('model_name', model_name)
+    repo_id = fields.pop('repo_id', f'your-org/{model_name}')
+    recipe = fields.pop('recipe', 'Not recorded.')
+    dataset_name = fields.pop('dataset_name', None)
+    dataset_split = fields.pop('dataset_split', 'test')
+    datasets = fields.pop('datasets', None)
+    datasets = [datasets] if isinstance(datasets, str) else datasets
+    model_args = config.get('model_args', {})
+    norm_layer = fields.pop('norm_layer', model_args.get('norm_layer', "the architecture's default"))
+    tags = list(dict.fromkeys([*CARD_TAGS, *fields.pop('tags', [])]))
+
+    eval_results = None
+    if metrics:
+        if not datasets:
+            raise ValueError("metrics need the evaluation dataset: pass card={'datasets': [...], ...}.")
+        eval_results = [
+            EvalResult(
+                task_type='image-classification',
+                task_name='Image Classification',
+                dataset_type=datasets[0],
+                dataset_name=dataset_name or datasets[0],
+                dataset_split=dataset_split,
+                metric_type=key,
+                metric_name=_METRIC_NAMES.get(key, key),
+                metric_value=value,
+            )
+            for key, value in metrics.items()
+        ]
+    data = ModelCardData(
+        library_name='timm',
+        pipeline_tag='image-classification',
+        license=fields.pop('license', config['pretrained_cfg'].get('license', 'apache-2.0')),
+        tags=tags,
+        base_model=fields.pop('base_model', None),
+        datasets=datasets,
+        model_name=model_name,
+        eval_results=eval_results,
+        **fields,
+    )
+    results = '\n'.join(f'| {r.metric_name} | {r.dataset_name} ({r.dataset_split}) | {r.metric_value} |'
+                        for r in eval_results or [])
+    body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
+        model_name=model_name,
+        repo_id=repo_id,
+        architecture=config['pretrained_cfg']['architecture'],
+        norm_layer=norm_layer,
+        model_args=json.dumps(model_args),
+        base_model=data.base_model or 'none (trained from scratch)',
+        datasets=', '.join(datasets or []) or 'not recorded',
+        input_size='x'.join(str(s) for s in config['pretrained_cfg']['input_size']),
+        recipe=recipe,
+        results=results or '| not measured | | |',
+        plugin_hint=PLUGIN_HINT,
+    )
+    return ModelCard(f'---\n{data.to_yaml()}\n---\n{body}', ignore_metadata_errors=False)
+
+
+@dataclass(frozen=True)
+class UploadPlan:
+    """What ``push_to_hub`` uploads: the folder's files and sizes, and where they go."""
+    folder: Path
+    files: tuple[tuple[str, int], ...]
+    endpoint: str
+    repo_id: str
+    revision: str
+    private: bool
+    create_pr: bool
+    token_source: str | None  # where the token comes from; None: no token
+
+    def describe(self) -> str:
+        """Human readable plan, one file a line (never shows the token itself)."""
+        target = 'a pull request against' if self.create_pr else 'branch'
+        lines = [
+            f'endpoint: {self.endpoint}',
+            f"repo:     {self.repo_id} ({'private' if self.private else 'public'} model repo if created)",
+            f'revision: {target} {self.revision}',
+            f"token:    {self.token_source or 'none found (pass --token, set HF_TOKEN or run `hf auth login`)'}",
+            f'files from {self.folder}:',
+            *(f'  {size:>12,d}  {name}' for name, size in self.files),
+            f'  {sum(size for _, size in self.files):>12,d}  total, {len(self.files)} files',
+        ]
+        return '\n'.join(lines)
+
+
+def _plan_upload(
+        folder: str | Path,
+        repo_id: str,
+        *,
+        private: bool = False,
+        revision: str | None = None,
+        create_pr: bool = False,
+        token: str | None = None,
+) -> UploadPlan:
+    """Check a Hub folder and a repo id, and list what ``push_to_hub`` would upload where.
+
+    Raises:
+        HubError: the folder is not a complete safetensors Hub folder, holds pickle weight
+            files, the repo id is invalid, or ``create_pr`` is combined with a ``revision``.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise HubError(f'{folder} is not a directory; write a Hub folder with timm_affinediv.hub.save_hub_folder.')
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise HubError(f"invalid repo id {repo_id!r}: {e} Use 'org/name', e.g. 'my-org/resnet18-patchnorm'.") from e
+    if create_pr and revision not in (None, constants.DEFAULT_REVISION):
+        raise HubError(
+            f'create_pr (--create-pr) opens a pull request against {constants.DEFAULT_REVISION};'
+            ' do not also give a revision (--revision).'
+        )
+
+    # the files upload_folder takes: every file but those its default ignore patterns skip
+    paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob('*')) if p.is_file()}
+    names = list(filter_repo_objects(paths, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+    pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise HubError(
+            f"{folder} holds pickle weight files ({', '.join(pickles)}), which can run code when loaded;"
+            f' only safetensors are published. Remove them (the weights belong in {WEIGHTS_NAME}).'
+        )
+    missing = [n for n in REQUIRED_FILES if n not in paths]
+    if missing:
+        raise HubError(
+            f"{folder} is not a Hub model folder: missing {', '.join(missing)}."
+            ' Write one with timm_affinediv.hub.save_hub_folder.'
+        )
+    try:
+        with safetensors.safe_open(paths[WEIGHTS_NAME], framework='pt'):
+            pass
+    except (safetensors.SafetensorError, OSError) as e:
+        raise HubError(
+            f'{paths[WEIGHTS_NAME]} is not a readable safetensors file ({e});'
+            ' write the folder again with timm_affinediv.hub.save_hub_folder.'
+        ) from e
+
+    if token is not None:
+        token_source = 'given (hidden)'
+    elif get_token() is not None:
+        token_source = 'HF_TOKEN or saved login (hidden)'
+    else:
+        token_source = None
+    return UploadPlan(
+        folder=folder,
+        files=tuple((n, paths[n].stat().st_size) for n in names),
+        endpoint=_endpoint(),
+        repo_id=repo_id,
+        revision=revision or constants.DEFAULT_REVISION,
+        private=private,
+        create_pr=create_pr,
+        token_source=token_source,
+    )
+
+
+def _endpoint() -> str:
+    """The Hub endpoint: ``HF_ENDPOINT`` as it is now, else huggingface_hub's default."""
+    return (os.environ.get('HF_ENDPOINT') or constants.ENDPOINT).rstrip('/')
+
+
+def push_to_hub(
+        folder: str | Path,
+        repo_id: str,
+        *,
+        private: bool = False,
+        revision: str | None = None,
+        create_pr: bool = False,
+        commit_message: str | None = None,
+        token: str | None = None,
+        dry_run: bool = False,
+) -> CommitInfo | UploadPlan:
+    """Upload a Hub folder written by ``save_hub_folder`` to ``repo_id``.
+
+    The repo is created if needed, a missing ``revision`` branch is created from ``main``, and
+    the folder is uploaded in one commit (``huggingface_hub.HfApi.upload_folder``); unchanged
+    files are skipped, so pushing the same folder twice commits nothing the second time.
+
+    Args:
+        folder: The Hub folder.
+        repo_id: ``org/name`` (or ``name`` in the token owner's namespace).
+        private: Create the repo private (an existing repo keeps its visibility).
+        revision: Branch to push to (default ``main``).
+        create_pr: Open a pull request against ``main`` instead of committing to it.
+        commit_message: Commit title.
+        token: Hub token; default ``HF_TOKEN`` or the saved login. Never printed or logged.
+        dry_run: Only check and plan (``UploadPlan.describe`` shows it): upload nothing and
+            contact no server.
+
+    Returns:
+        The plan when ``dry_run``, else the ``CommitInfo`` of the commit (or of the current head
+        when nothing changed).
+
+    Raises:
+        HubError: bad folder or repo id (before any request), no or rejected token, the
+            endpoint cannot be reached or answered with an error.
+    """
+    plan = _plan_upload(folder, repo_id, private=private, revision=revision, create_pr=create_pr, token=token)
+    if dry_run:
+        return plan
+
+    api = HfApi(endpoint=plan.endpoint, token=token, library_name='timm', library_version=timm.__version__)
+    try:
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision not in (None, constants.DEFAULT_REVISION) and not create_pr:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=plan.folder,
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=commit_message or f'Upload {plan.folder.name} with timm-affinediv',
+        )
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status == 401 and plan.token_source is None:
+            raise HubError(
+                f'{plan.endpoint} requires a Hub token and none was found: pass --token (token=),'
+                ' set HF_TOKEN or run `hf auth login`. Nothing was committed.'
+            ) from e
+        if status in (401, 403):
+            raise HubError(
+                f'{plan.endpoint} refused the token ({status}) for {repo_id}: check that it is valid and has'
+                ' write access to the namespace. Nothing was committed.'
+            ) from e
+        summary = str(e).strip().splitlines()[0]
+        raise HubError(f'{plan.endpoint} answered {status} for {repo_id}: {summary}') from e
+    except httpx2.TransportError as e:
+        raise HubError(
+            f'cannot reach the Hub at {plan.endpoint} ({e}); check HF_ENDPOINT and the network.'
+        ) from e
