@@ -197,7 +197,6 @@ def pushed(folder, model, images, tmp_path_factory):
             assert 'timm_affinediv' not in sys.modules
             print(json.dumps(errors))
             import timm_affinediv
-            import timm_affinediv.hub  # registers the loader (until timm_affinediv/__init__.py imports it)
             model = timm.create_model('hf-hub:{REPO_ID}', pretrained=True).eval()
             images = safetensors.torch.load_file({str(tmp / 'images.safetensors')!r})['images']
             with torch.no_grad():
