@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm']
+__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'box_sum', 'channel_sq_norm']
 
 _SCALES = ('rms', 'l2')
 
@@ -66,8 +66,110 @@ def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
         raise ValueError(f"{name} expects {channels} input channels, got shape {tuple(x.shape)}")
 
 
+def channel_sq_norm(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """`|x|^2` over the channels of each group of an (N, C, H, W) tensor: (N, groups, H, W), float32 or wider."""
+    x = at_least_float32(x)
+    if groups == x.shape[1]:
+        return x.square()
+    if groups == 1:
+        return torch.linalg.vecdot(x, x, dim=1).unsqueeze(1)
+    x = x.unflatten(1, (groups, -1))
+    return torch.linalg.vecdot(x, x, dim=2)
+
+
+# avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
+_POOL_MAX_CHANNELS = 4
+
+
+def box_sum(
+        x: torch.Tensor,
+        kernel_size: Tuple[int, int],
+        stride: Tuple[int, int] = (1, 1),
+        padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
+        dilation: Tuple[int, int] = (1, 1),
+) -> torch.Tensor:
+    """Sum of `x` over every window of a convolution's geometry, per channel; `padding` is (left, right, top, bottom)."""
+    (kh, kw), (left, right, top, bottom) = kernel_size, padding
+    if left == right and top == bottom:
+        pad = (top, left)
+    else:
+        x, pad = F.pad(x, padding), (0, 0)
+    if x.shape[1] <= _POOL_MAX_CHANNELS and dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2:
+        return F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=1)
+    ones = x.new_ones(x.shape[1], 1, kh, kw)
+    return F.conv2d(x, ones, stride=stride, padding=pad, dilation=dilation, groups=x.shape[1])
+
+
+def patch_sq_norm(
+        x: torch.Tensor,
+        kernel_size: Tuple[int, int],
+        stride: Tuple[int, int] = (1, 1),
+        padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
+        dilation: Tuple[int, int] = (1, 1),
+        groups: int = 1,
+) -> torch.Tensor:
+    """ `|P_p|^2` for every output position `p` of a convolution, per group, in float32 (or float64).
+
+    `P_p` is the im2col column that position `p` reads: the group's input channels times the
+    kernel window, zero padding included. Computed as a channel sum of `x^2` per group and a
+    box filter with the convolution's geometry. `padding` is `(left, right, top, bottom)`.
+    Returns `(N, groups, H_out, W_out)`.
+    """
+    with torch.autocast(x.device.type, enabled=False):
+        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation)
+
+
+class _DivergenceCorrected:
+    """ What AffineDivLinear and PatchNormConv2d share: the scaling, and a fused per-channel affine.
+
+    A bound `patchnorm` slot right after the layer hands its per-channel `weight`/`bias` to the layer
+    (`fuse_post_affine`), which then computes `slot.weight * z + slot.bias` in the same pass as the
+    division by `s` (the slot's parameters stay the slot's; the slot passes its input through).
+    """
+    _post_affine = None
+
+    def fuse_post_affine(self, slot: nn.Module) -> None:
+        # a plain attribute, not a submodule: the slot's parameters stay where the model has them
+        object.__setattr__(self, '_post_affine', slot)
+
+    def _fused_params(self):
+        """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in."""
+        weight, bias, slot = self.weight, self.bias, self._post_affine
+        if slot is None:
+            return weight, bias, None
+        gain = slot.weight.to(weight.dtype)
+        weight = weight * gain.view((-1,) + (1,) * (weight.dim() - 1))
+        return weight, None if bias is None else bias * gain, slot.bias.to(weight.dtype)
+
+    def _scale_output(self, y: torch.Tensor, inv_s: torch.Tensor, post_bias: Optional[torch.Tensor],
+                      channel_dim: int, groups: int = 1) -> torch.Tensor:
+        """`y * inv_s (+ post_bias)`, one pass; `inv_s` has one channel per group along `channel_dim`."""
+        inv_s = inv_s.to(y.dtype)
+        grouped = inv_s.shape[channel_dim] not in (1, y.shape[channel_dim])
+        bias_shape = (-1,) + (1,) * (y.dim() - channel_dim - 1 if channel_dim >= 0 else 0)
+        if grouped:
+            y, inv_s, bias_shape = y.unflatten(channel_dim, (groups, -1)), inv_s.unsqueeze(channel_dim + 1), \
+                (groups,) + bias_shape
+        y = y * inv_s if post_bias is None else torch.addcmul(post_bias.view(bias_shape), y, inv_s)
+        return y.flatten(channel_dim, channel_dim + 1) if grouped else y
+
+    def _scaled_input(self, x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor], channel_dim: int):
+        """`(x * inv_s, weight)`, with `inv_s` appended as an input channel that the bias weights.
+
+        For a pointwise map `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the
+        output is cheaper when the output is wider.
+        """
+        inv_s = inv_s.to(x.dtype)
+        x = x * inv_s
+        if bias is None:
+            return x, weight
+        x = torch.cat([x, inv_s], dim=channel_dim)
+        return x, torch.cat([weight, bias.view((-1, 1) + (1,) * (weight.dim() - 2))], dim=1)
+
+
 @register_notrace_module  # a leaf for timm's FX feature extraction, like its own norm layers
-class AffineDivLinear(nn.Linear):
+class AffineDivLinear(_DivergenceCorrected, nn.Linear):
     """ Divergence-corrected linear layer, a drop-in for `nn.Linear`.
 
     `y = (W x + b) / s(x)` over the last dimension, `s(x)^2 = (|x|^2 + 1) / c`
@@ -97,13 +199,18 @@ class AffineDivLinear(nn.Linear):
     def inv_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / s(x)` in float32 (or float64), shape `x.shape[:-1] + (1,)`."""
         with torch.autocast(x.device.type, enabled=False):
-            sq_norm = at_least_float32(x).square().sum(-1, keepdim=True)
+            x = at_least_float32(x)
+            sq_norm = torch.linalg.vecdot(x, x).unsqueeze(-1)
             return _inv_scale(sq_norm, self.divergence_constant, self.bias is not None, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, type(self).__name__)
-        y = F.linear(x, self.weight, self.bias)
-        return y * self.inv_scale(x).to(y.dtype)
+        inv_s = self.inv_scale(x)
+        weight, bias, post_bias = self._fused_params()
+        if self.out_features > self.in_features + 1:
+            x, weight = self._scaled_input(x, inv_s, weight, bias, -1)
+            return F.linear(x, weight, post_bias)
+        return self._scale_output(F.linear(x, weight, bias), inv_s, post_bias, -1)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -118,44 +225,8 @@ class AffineDivLinear(nn.Linear):
         return new
 
 
-def patch_sq_norm(
-        x: torch.Tensor,
-        kernel_size: Tuple[int, int],
-        stride: Tuple[int, int] = (1, 1),
-        padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
-        dilation: Tuple[int, int] = (1, 1),
-        groups: int = 1,
-) -> torch.Tensor:
-    """ `|P_p|^2` for every output position `p` of a convolution, per group, in float32 (or float64).
-
-    `P_p` is the im2col column that position `p` reads: the group's input channels times the
-    kernel window, zero padding included. Computed as a channel sum of `x^2` per group and a
-    box filter with the convolution's geometry. `padding` is `(left, right, top, bottom)`.
-    Returns `(N, groups, H_out, W_out)`.
-    """
-    with torch.autocast(x.device.type, enabled=False):
-        sq = at_least_float32(x).square()
-        if groups == 1:
-            sq = sq.sum(1, keepdim=True)
-        elif groups != x.shape[1]:
-            sq = sq.unflatten(1, (groups, -1)).sum(2)
-        left, right, top, bottom = padding
-        kh, kw = kernel_size
-        if dilation == (1, 1) and left == right <= kw // 2 and top == bottom <= kh // 2:
-            pad = (top, left)
-        else:
-            sq = F.pad(sq, padding)
-            pad = (0, 0)
-        if dilation != (1, 1):
-            ones = sq.new_ones(sq.shape[1], 1, kh, kw)
-            return F.conv2d(sq, ones, stride=stride, padding=pad, dilation=dilation, groups=sq.shape[1])
-        # separable box filter: kh + kw additions per output instead of kh * kw
-        sq = F.avg_pool2d(sq, (kh, 1), (stride[0], 1), (pad[0], 0), divisor_override=1)
-        return F.avg_pool2d(sq, (1, kw), (1, stride[1]), (0, pad[1]), divisor_override=1)
-
-
 @register_notrace_module
-class PatchNormConv2d(nn.Conv2d):
+class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     """ PatchNorm: the divergence-corrected convolution, a drop-in for `nn.Conv2d`.
 
     `y_p = (W * x + b)_p / s(P_p)`, `s(P)^2 = (|P|^2 + 1) / c` (`(|P|^2 + eps) / c` without bias),
@@ -203,19 +274,25 @@ class PatchNormConv2d(nn.Conv2d):
         sq_norm = patch_sq_norm(x, self.kernel_size, self.stride, padding, self.dilation, self.groups)
         return _inv_scale(sq_norm, self.divergence_constant, self.bias is not None, self.eps)
 
+    @property
+    def _pointwise(self) -> bool:
+        return self.kernel_size == (1, 1) and self.stride == (1, 1) and self.groups == 1 and \
+            self.padding in ((0, 0), 'valid')
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_nchw(x, self.in_channels, type(self).__name__)
         if self.padding_mode == 'zeros':
-            y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-            padding = tuple(self._reversed_padding_repeated_twice)
+            conv_padding, norm_padding = self.padding, tuple(self._reversed_padding_repeated_twice)
         else:
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            y = F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
-            padding = (0, 0, 0, 0)
-        inv_s = self.inv_scale(x, padding).to(y.dtype)
-        if inv_s.shape[1] in (1, y.shape[1]):
-            return y * inv_s
-        return (y.unflatten(1, (self.groups, -1)) * inv_s.unsqueeze(2)).flatten(1, 2)
+            conv_padding, norm_padding = 0, (0, 0, 0, 0)
+        inv_s = self.inv_scale(x, norm_padding)
+        weight, bias, post_bias = self._fused_params()
+        if self._pointwise and self.out_channels > self.in_channels + 1:
+            x, weight = self._scaled_input(x, inv_s, weight, bias, 1)
+            return F.conv2d(x, weight, post_bias)
+        y = F.conv2d(x, weight, bias, self.stride, conv_padding, self.dilation, self.groups)
+        return self._scale_output(y, inv_s, post_bias, 1, self.groups)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

@@ -6,7 +6,8 @@ operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
 
 - its producer: the `nn.Conv2d`/`nn.Linear` whose output reaches only this slot. It becomes
   `PatchNormConv2d`/`AffineDivLinear`, with a zero-initialised pre-division bias where it had
-  none, so its divergence factor is exactly `c`;
+  none, so its divergence factor is exactly `c`, and it applies the slot's per-channel affine
+  in the same pass as its division (the slot then passes its input through);
 - its consumers: the `nn.Conv2d`/`nn.Linear` that the slot's output reaches alone (ConvNeXt's
   `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`), made divergence corrected too.
 
@@ -147,7 +148,9 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
         for path in filter(None, (binding.producer, *binding.consumers)):
             modules[path] = divergence_corrected(modules[path], scale=slot.scale)
             _replace(model, path, modules[path])
-        slot.bind(binding)
+        if binding.producer is not None:
+            modules[binding.producer].fuse_post_affine(slot)
+        slot.bind(binding, fused=binding.producer is not None)
         if not binding.bound:
             _logger.info(f'patchnorm slot {name} is standalone (RMS normaliser + affine): {binding.note}')
     return [slots[name].binding for name in slots]

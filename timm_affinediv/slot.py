@@ -9,6 +9,9 @@ it feeds into its divergence-corrected form too. A bound slot computes
 
     y = weight * x + bias
 
+and where a producer feeds it, the producer applies this affine in the same pass as its
+division by `s` (the slot's parameters stay the slot's; the slot passes its input through).
+
 An unbound slot (nothing affine beside it, or not yet bound) takes the standalone form, the
 RMS normaliser over channels followed by the affine (`rmsnorm`, the affine divergence's
 solution (a)): `y = weight * x / sqrt(mean_c(x^2) + eps) + bias`.
@@ -60,18 +63,23 @@ class PatchNormSlot(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
         self.binding: Optional[SlotBinding] = None
-        # a plain bool, so torch.compile guards on it cheaply
+        # plain bools, so torch.compile guards on them cheaply
         self.bound = False
+        self.fused = False
 
-    def bind(self, binding: SlotBinding) -> None:
+    def bind(self, binding: SlotBinding, fused: bool = False) -> None:
+        """Record the binding; `fused`: the producer applies this slot's affine (`fuse_post_affine`)."""
         self.binding = binding
         self.bound = binding.bound
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.shape[self.channel_dim] != self.num_features:
             raise ValueError(
                 f"{type(self).__name__} expects {self.num_features} channels in dim {self.channel_dim}, "
                 f"got shape {tuple(x.shape)}")
+        if self.fused:
+            return x
         if not self.bound:
             x = l2_normalise(x, self.channel_dim, 'rms', self.eps)
         return channel_affine(x, self.weight, self.bias, self.channel_dim)
