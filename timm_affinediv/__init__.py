@@ -8,7 +8,8 @@ from .diagnostics import update_factor
 from .hub import HubError, push_to_hub, save_hub_folder
 from .norm import L2Norm, L2Norm2d, l2_normalise
 from .register import register
-from .slot import PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding
+from .slot import (
+    AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding)
 
 __version__ = "0.1.0"
 

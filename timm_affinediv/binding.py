@@ -13,7 +13,9 @@ operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
 
 Modules are replaced in place at the same attribute, so parameter names stay those of the
 original model (`layer1.0.conv1.weight`) and a checkpoint's weights load 1:1. A slot with
-neither neighbour stays standalone (see `timm_affinediv.slot`). Binding is idempotent and
+neither neighbour stays standalone (see `timm_affinediv.slot`). With `affinediv` slots, every
+other `nn.Conv2d`/`nn.Linear` the forward calls is made divergence corrected as well, and the
+slots keep only their affine: the paper's network without a normaliser. Binding is idempotent and
 can be repeated after changing a model (e.g. `reset_classifier`). `timm.create_model` binds
 automatically once `timm_affinediv` is imported.
 """
@@ -48,16 +50,16 @@ class _BindingTracer(fx.Tracer):
         return isinstance(m, self._leaf_types) or super().is_leaf_module(m, module_qualified_name)
 
 
-def divergence_corrected(module: nn.Module, scale: str = 'rms') -> nn.Module:
+def divergence_corrected(module: nn.Module, scale: str = 'rms', add_bias: bool = False) -> nn.Module:
     """ The divergence-corrected form of an `nn.Conv2d`/`nn.Linear`, sharing its parameters.
 
-    A convolution gets a zero pre-division bias if it had none. Layers already corrected are
-    returned as they are.
+    `add_bias` gives a convolution without a bias a zero pre-division one. Layers already corrected
+    are returned as they are.
     """
     if isinstance(module, (PatchNormConv2d, AffineDivLinear)):
         return module
     if type(module) is nn.Conv2d:
-        return PatchNormConv2d.from_conv(module, scale=scale, bias=True)
+        return PatchNormConv2d.from_conv(module, scale=scale, bias=add_bias or None)
     if type(module) is nn.Linear:
         return AffineDivLinear.from_linear(module, scale=scale)
     raise TypeError(f"no divergence-corrected form of {type(module).__name__}; "
@@ -143,16 +145,26 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
         note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
         bindings[node.target] = SlotBinding(node.target, producer, consumers, note)
 
+    def correct(path: str, scale: str, add_bias: bool = False) -> None:
+        modules[path] = divergence_corrected(modules[path], scale=scale, add_bias=add_bias)
+        _replace(model, path, modules[path])
+
     for name, slot in slots.items():
         binding = bindings.get(name, SlotBinding(name, note='not reached by forward'))
-        for path in filter(None, (binding.producer, *binding.consumers)):
-            modules[path] = divergence_corrected(modules[path], scale=slot.scale)
-            _replace(model, path, modules[path])
         if binding.producer is not None:
+            correct(binding.producer, slot.scale, add_bias=True)
             modules[binding.producer].fuse_post_affine(slot)
+        for path in binding.consumers:
+            correct(path, slot.scale)
         slot.bind(binding, fused=binding.producer is not None)
-        if not binding.bound:
+        if not slot.bound:
             _logger.info(f'patchnorm slot {name} is standalone (RMS normaliser + affine): {binding.note}')
+
+    all_affine = [slot for slot in slots.values() if slot.corrects_all_affine]
+    if all_affine:
+        for path, count in calls.items():
+            if type(modules[path]) in _AFFINE_TYPES:
+                correct(path, all_affine[0].scale)
     return [slots[name].binding for name in slots]
 
 

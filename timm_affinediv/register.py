@@ -1,10 +1,11 @@
 """ Registration with timm's factories, on `import timm_affinediv`
 
 Adds, without changing any of timm's own entries:
-- `patchnorm` (`PatchNorm2d` slot), `l2norm` (`L2Norm`) and `l2norm2d` (`L2Norm2d`) to the norm
-  factory (`get_norm_layer`/`create_norm_layer`);
-- `patchnorm` (`PatchNormAct2d`) to the norm+act factory (`get_norm_act_layer`);
-- `patchnorm` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
+- `patchnorm` (`PatchNorm2d` slot), `affinediv` (`AffineDivNorm2d` slot: every affine map
+  corrected), `l2norm` (`L2Norm`) and `l2norm2d` (`L2Norm2d`) to the norm factory
+  (`get_norm_layer`/`create_norm_layer`);
+- `patchnorm` and `affinediv` norm-act slots to the norm+act factory (`get_norm_act_layer`);
+- `patchnorm`, `affinediv` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
   `convnext_*` takes them in both MLP layouts;
 - a step inside `timm.create_model` (timm's model builder, after construction and before
   pretrained weights load) that binds the model's `patchnorm` slots.
@@ -19,13 +20,16 @@ import timm.models.convnext as convnext
 
 from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
-from .slot import PatchNorm, PatchNorm2d, PatchNormAct2d
+from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
 
 __all__ = ['register']
 
-NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
-NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d)
-CONVNEXT_NORM_LAYERS = dict(patchnorm=(PatchNorm2d, PatchNorm), l2norm=(L2Norm2d, L2Norm))
+NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, affinediv=AffineDivNorm2d,
+                   affinedivnorm2d=AffineDivNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
+NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d, affinediv=AffineDivNormAct2d,
+                       affinedivnorm2d=AffineDivNormAct2d)
+CONVNEXT_NORM_LAYERS = dict(patchnorm=(PatchNorm2d, PatchNorm), affinediv=(AffineDivNorm2d, AffineDivNorm),
+                            l2norm=(L2Norm2d, L2Norm))
 
 
 def _add_entries(table: dict, entries: dict, where: str) -> None:
@@ -53,7 +57,8 @@ def register() -> None:
     create_norm_act._NORM_ACT_TYPES.update(NORM_ACT_LAYERS.values())
     create_norm_act._NORM_ACT_REQUIRES_ARG.update(NORM_ACT_LAYERS.values())
     # the norm-act factory maps a norm class to its norm-act twin by the class name
-    _add_entries(create_norm_act._NORM_TO_NORM_ACT_MAP, dict(patchnorm2d=PatchNormAct2d), 'norm-act factory')
+    _add_entries(create_norm_act._NORM_TO_NORM_ACT_MAP,
+                 dict(patchnorm2d=PatchNormAct2d, affinedivnorm2d=AffineDivNormAct2d), 'norm-act factory')
     _add_entries(convnext._NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
 
     if not hasattr(builder, '_init_model_traits'):

@@ -28,7 +28,8 @@ from timm.layers.typing import LayerType
 from .affine_div import _check_scale
 from .norm import channel_affine, l2_normalise
 
-__all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'SlotBinding']
+__all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
+           'SlotBinding']
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class PatchNormSlot(nn.Module):
     `scale` ("rms" or "l2") is the scaling the bound affine maps get.
     """
     channel_dim = 1
+    # `affinediv` slots: every affine map of the model is corrected, the slot is only an affine
+    corrects_all_affine = False
 
     def __init__(self, num_features: int, eps: float = 1e-6, scale: str = 'rms', device=None, dtype=None):
         super().__init__()
@@ -70,7 +73,7 @@ class PatchNormSlot(nn.Module):
     def bind(self, binding: SlotBinding, fused: bool = False) -> None:
         """Record the binding; `fused`: the producer applies this slot's affine (`fuse_post_affine`)."""
         self.binding = binding
-        self.bound = binding.bound
+        self.bound = binding.bound or self.corrects_all_affine
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,3 +131,23 @@ class PatchNormAct2d(PatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(super().forward(x)))
+
+
+@register_notrace_module
+class AffineDivNorm2d(PatchNorm2d):
+    """ The `affinediv` slot (N, C, H, W): binds like `patchnorm`, and also makes every other Conv2d/Linear
+    of the model divergence corrected; never normalises, only `weight * x + bias` (the paper's
+    alternative to normalisation)."""
+    corrects_all_affine = True
+
+
+@register_notrace_module
+class AffineDivNorm(PatchNorm):
+    """The `affinediv` slot over the last dimension (see `AffineDivNorm2d`)."""
+    corrects_all_affine = True
+
+
+@register_notrace_module
+class AffineDivNormAct2d(PatchNormAct2d):
+    """The `affinediv` slot + dropout + activation, for timm's norm-act factory."""
+    corrects_all_affine = True
