@@ -64,10 +64,10 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     model = _train(name, data)
     original = _top1(model, xt, yt)
     assert original > 0.6, 'the briefly trained model should have learned something'
-    swapped, report = convert_model(model, **NARROW[name])
+    swapped, report = convert_model(model)
     assert report.top1_agreement_analytic is None and not report.layers
     calib = [x[i:i + 64] for i in range(0, 256, 64)]
-    calibrated, report = convert_model(model, calibration=calib, **NARROW[name])
+    calibrated, report = convert_model(model, calibration=calib)
     swap_top1, calibrated_top1 = _top1(swapped, xt, yt), _top1(calibrated, xt, yt)
     assert calibrated_top1 > swap_top1 + 0.1, (original, swap_top1, calibrated_top1)
     assert calibrated_top1 > original - 0.1, (original, calibrated_top1)
@@ -84,7 +84,7 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
 
 def test_affinediv_mode_corrects_every_affine_map(data):
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
-    converted, _ = convert_model(model, norm='affinediv', **NARROW['resnet18'])
+    converted, _ = convert_model(model, norm='affinediv')
     assert not any(type(m) in (nn.Conv2d, nn.Linear) for m in converted.modules())
     assert isinstance(converted.fc, AffineDivLinear) and isinstance(converted.conv1, PatchNormConv2d)
     assert all(b.bound for b in describe_slots(converted))
@@ -95,7 +95,7 @@ def test_bad_input(data):
     with pytest.raises(ConversionError, match='norm must be one of'):
         convert_model(model, norm='batchnorm')
     with pytest.raises(ConversionError, match=r'\(N, 1, H, W\)'):
-        convert_model(model, calibration=[torch.randn(4, 3, 32, 32)], **NARROW['resnet18'])
+        convert_model(model, calibration=[torch.randn(4, 3, 32, 32)])
     vit = timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=32, patch_size=8)
     with pytest.raises(ConversionError):
         convert_model(vit)

@@ -35,6 +35,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.models._input import get_model_args
 
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .slot import PatchNormSlot
@@ -110,10 +111,11 @@ def _in_chans(model: nn.Module) -> int:
 
 
 def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -> nn.Module:
-    """`timm.create_model(arch, norm_layer=norm)` for the architecture of `model`, same classes and input channels."""
+    """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them)."""
     if norm not in CONVERSION_NORMS:
         raise ConversionError(f'norm must be one of {CONVERSION_NORMS}, got {norm!r}')
     kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=_in_chans(model))
+    kwargs.update({k: v for k, v in get_model_args(model).items() if k != 'norm_layer'})
     kwargs.update(model_kwargs)
     return timm.create_model(_architecture(model), norm_layer=norm, **kwargs)
 
@@ -236,7 +238,7 @@ class _NormalEquations:
         """Relative error and cosine similarity of `U v` against `Z`, from the sums alone."""
         fit_sq = torch.einsum('gko,gkl,glo->', v, self.gram, v)
         inner = torch.einsum('gko,gko->', v, self.cross)
-        target_sq = self.target_sq.sum()
+        target_sq = self.target_sq.sum().clamp_min(1e-30)  # a zero target: a zero-initialised gain
         err_sq = (fit_sq - 2 * inner + target_sq).clamp_min(0)
         return (err_sq / target_sq).sqrt().item(), (inner / (fit_sq * target_sq).sqrt().clamp_min(1e-30)).item()
 
@@ -340,7 +342,7 @@ def convert_model(
             normal equations.
         positions_per_batch: output positions sampled per batch and layer for the fit.
         progress: show a progress bar.
-        **model_kwargs: passed to `timm.create_model` (default: the model's `num_classes` and `in_chans`).
+        **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
     Returns:
         The converted model (in eval mode) and the report.
