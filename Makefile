@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 $(FASHION_MNIST):
 	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
 
+demo: setup
+	$(VENV)/bin/python scripts/pipeline.py --output runs/demo --overwrite
+
 test: setup
 	$(VENV)/bin/python -m pytest -q
 

@@ -8,8 +8,6 @@
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
 import argparse
-import ast
-import json
 import logging
 import sys
 from pathlib import Path
@@ -17,21 +15,9 @@ from pathlib import Path
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
+from timm.utils import ParseKwargs
+
 from timm_affinediv.workflow import convert_to_folder, load_trained_model
-
-
-def parse_kwargs(items):
-    """`key=value` pairs, values as Python literals where they parse (`channels=(16,32,64,128)`)."""
-    kwargs = {}
-    for item in items or ():
-        key, sep, value = item.partition('=')
-        if not sep:
-            raise argparse.ArgumentTypeError(f'--model-kwargs takes key=value pairs, got {item!r}')
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    return kwargs
 
 
 def main(argv=None) -> int:
@@ -40,7 +26,8 @@ def main(argv=None) -> int:
     parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
     parser.add_argument('--num-classes', type=int, help='classes of the checkpoint (timm model name only)')
     parser.add_argument('--in-chans', type=int, help='input channels of the checkpoint (timm model name only)')
-    parser.add_argument('--model-kwargs', nargs='*', metavar='KEY=VALUE', help='more timm.create_model arguments')
+    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                        help='more timm.create_model arguments')
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
     parser.add_argument('--calib-data', default='fashion-mnist',
                         help="'fashion-mnist' (built in) or a folder of class sub-folders (<dir>/train/<class>/*)")
@@ -57,7 +44,7 @@ def main(argv=None) -> int:
     if dataset != 'fashion-mnist':
         dataset, data_dir = '', args.calib_data
     try:
-        model_kwargs = parse_kwargs(args.model_kwargs)
+        model_kwargs = args.model_kwargs
         create_kwargs = dict(model_kwargs)
         if args.num_classes:
             create_kwargs['num_classes'] = args.num_classes
@@ -69,7 +56,7 @@ def main(argv=None) -> int:
             calib_batches=args.calib_batches, batch_size=args.batch_size, eval_images=args.eval_images,
             base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else None,
             overwrite=args.overwrite, **model_kwargs)
-    except (ConversionError, DataError, FileExistsError, argparse.ArgumentTypeError) as e:
+    except (ConversionError, DataError, FileExistsError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(report.format_table())
