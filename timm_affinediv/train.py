@@ -260,7 +260,8 @@ def create_teacher(
         checkpoint: Optional[str] = None,
         **kwargs: Any,
 ) -> nn.Module:
-    """A frozen teacher in eval mode: a ready module, or a timm model name (+ `kwargs`) with its checkpoint."""
+    """A teacher in eval mode (run under `torch.no_grad`): a ready module, or a timm model name (+ `kwargs`)
+    with its checkpoint."""
     if isinstance(teacher, str):
         model = timm.create_model(teacher, **kwargs)
         if checkpoint:
@@ -268,9 +269,7 @@ def create_teacher(
         else:
             _logger.warning(f"teacher '{teacher}' has no checkpoint: distilling from random weights.")
         teacher = model
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
+    return teacher.eval()
 
 
 def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[int]) -> None:
@@ -429,6 +428,8 @@ class Trainer:
             split=cfg.val_split, subset=cfg.val_subset, **loader_args)
         self.num_classes = dataset_num_classes(self.train_loader.dataset)
         _match_head(model, self.num_classes, cfg.num_classes)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError('the model has no trainable parameters (all have requires_grad=False).')
         self.model = model.to(self.device)
         self.model_args = {**cfg.model_kwargs, 'in_chans': in_chans, 'num_classes': self.num_classes}
         if cfg.norm_layer:
