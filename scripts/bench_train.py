@@ -2,7 +2,8 @@
 """Throughput of the Trainer's training loop against a bare PyTorch loop, same model, data and optimiser, one run.
 
 Both loops take the same batches from the same loader (pre-loaded into memory, so data loading is left out) and
-alternate for several rounds; the median images/s of each is compared. The issue asks for an overhead under 10%.
+alternate for several rounds; the median and the best images/s of each are compared (on a shared machine the best
+round is the steadier estimate). The issue asks for an overhead under 10%.
 
     python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 5
 """
@@ -94,11 +95,13 @@ def main() -> None:
     for round_idx in range(1, args.rounds + 1):
         bare.append(run_bare())
         ours.append(run_trainer(round_idx))
-    b, o = statistics.median(bare), statistics.median(ours)
     print(f'{args.model} on {device}, batch {args.batch_size}, {args.steps} steps x {args.rounds} rounds')
-    print(f'bare PyTorch loop : {b:8.1f} img/s  (rounds: {", ".join(f"{v:.0f}" for v in bare)})')
-    print(f'Trainer           : {o:8.1f} img/s  (rounds: {", ".join(f"{v:.0f}" for v in ours)})')
-    print(f'ratio Trainer / bare = {o / b:.3f}  (overhead {100 * (1 - o / b):.1f}%)')
+    print(f'bare PyTorch loop : rounds {", ".join(f"{v:.0f}" for v in bare)} img/s')
+    print(f'Trainer           : rounds {", ".join(f"{v:.0f}" for v in ours)} img/s')
+    for name, stat in (('median', statistics.median), ('best', max)):  # best-of-rounds resists machine load
+        b, o = stat(bare), stat(ours)
+        print(f'{name:6s}: bare {b:8.1f} img/s, Trainer {o:8.1f} img/s, ratio {o / b:.3f} '
+              f'(overhead {100 * (1 - o / b):.1f}%)')
 
 
 if __name__ == '__main__':

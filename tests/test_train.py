@@ -12,7 +12,7 @@ import timm
 import torch
 import torch.nn as nn
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from timm_affinediv.data import (
     FASHION_MNIST_DIR, DataError, FashionMNIST, create_image_dataset, create_train_loader,
@@ -238,6 +238,36 @@ def test_class_count_mismatch_needs_num_classes(tmp_path):
         Trainer(tiny_config(tmp_path, num_classes=7), model=tiny_model(num_classes=5))
     trainer = Trainer(tiny_config(tmp_path, num_classes=10), model=tiny_model(num_classes=5))
     assert trainer.model.num_classes == 10 and trainer.model.get_classifier().out_features == 10
+
+
+def test_initial_checkpoint_head_and_num_classes(teacher_run, tmp_path):
+    """A 10-class checkpoint loads as it is; a 5-class one needs --num-classes 10, which gives it a new head."""
+    weights = teacher_run[2].weights_file
+    trainer = Trainer(tiny_config(tmp_path, num_classes=None, initial_checkpoint=os.path.dirname(weights)))
+    assert trainer.evaluate()['top1'] == pytest.approx(teacher_run[2].metrics['val_top1'], abs=5)
+    five = tiny_model(num_classes=5)
+    save_file(five.state_dict(), str(tmp_path / 'five.safetensors'))
+    with pytest.raises(ConfigError, match='--num-classes 10'):
+        Trainer(tiny_config(tmp_path, num_classes=None, initial_checkpoint=str(tmp_path / 'five.safetensors')))
+    trainer = Trainer(tiny_config(tmp_path, num_classes=10, initial_checkpoint=str(tmp_path / 'five.safetensors')))
+    torch.testing.assert_close(trainer.model.conv1.weight, five.conv1.weight)
+    assert trainer.model.get_classifier().out_features == 10
+    with pytest.raises(ConfigError, match='unknown model'):
+        Trainer(tiny_config(tmp_path, model='no_such_model'))
+
+
+def test_trains_on_image_folder(tmp_path):
+    for split in ('train', 'validation'):
+        for c, value in (('dark', 30), ('light', 220)):
+            os.makedirs(tmp_path / split / c)
+            for i in range(8):
+                pixels = np.clip(value + np.random.randint(-20, 20, (40, 40, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / c / f'{i}.png')
+    cfg = tiny_config(tmp_path / 'out', dataset='', data_dir=str(tmp_path), num_classes=2, img_size=32,
+                      in_chans=3, epochs=2, batch_size=8, train_subset=None, val_subset=None)
+    result = Trainer(cfg).fit()
+    assert result.model_args['in_chans'] == 3 and result.model_args['num_classes'] == 2
+    assert result.metrics['val_top1'] == 100.0
 
 
 class _PoisonAfter(nn.Module):

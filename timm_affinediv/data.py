@@ -77,7 +77,7 @@ class FashionMNIST(Dataset):
         return len(self.targets)
 
     def __getitem__(self, index: int) -> Tuple[Any, Any]:
-        img = Image.fromarray(self.images[index], mode='L')
+        img = Image.fromarray(self.images[index])  # 2-D uint8: mode 'L'
         target = int(self.targets[index])
         if self.transform is not None:
             img = self.transform(img)

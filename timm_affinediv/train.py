@@ -33,7 +33,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from timm.loss import LabelSmoothingCrossEntropy
-from timm.models import load_checkpoint
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad, distribute_bn, random_seed
@@ -110,7 +109,7 @@ class TrainConfig:
     validation_batch_size: Optional[int] = None
     workers: int = 2
     no_aug: bool = False
-    scale: Optional[Tuple[float, float]] = (0.75, 1.0)
+    scale: Optional[Tuple[float, float]] = (0.75, 1.0)  # random-resized-crop area; milder than timm's (0.08, 1)
     hflip: float = 0.5
     color_jitter: float = 0.
     # optimisation
@@ -175,7 +174,8 @@ class TrainResult:
     """What a finished run leaves for publishing (e.g. `timm_affinediv.hub.save_hub_folder`).
 
     `model` holds the final weights (the EMA weights when EMA is on), also written to `<output>/model.safetensors`;
-    `model_args` rebuild its architecture with `timm.create_model(model_name, **model_args)`.
+    `model_args` rebuild its architecture with `timm.create_model(model_name, **model_args)` (for a ready model
+    given to the Trainer, as far as `TrainConfig.model` / `model_kwargs` / `norm_layer` describe it).
     """
     model: nn.Module
     model_name: str
@@ -219,15 +219,28 @@ def _weights_file(path: str) -> str:
     return path
 
 
-def _load_weights(model: nn.Module, path: str, what: str) -> None:
-    """Load a weights file into `model` with timm's `load_checkpoint` (strict), with an error that says why not."""
+def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
+    """A state dict from a weights file or Hub-format folder (timm's `load_state_dict`: safetensors / .pth, EMA
+    weights preferred), with an error that says what is wrong."""
     path = _weights_file(path)
     try:
-        load_checkpoint(model, path, strict=True)
+        return timm.models.load_state_dict(path)
+    except Exception as e:  # truncated or not a checkpoint at all: many exception types
+        raise ConfigError(f'{what} {path} is unreadable ({type(e).__name__}: {e}).') from e
+
+
+def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
+    try:
+        model.load_state_dict(state_dict, strict=True)
     except RuntimeError as e:  # missing / unexpected keys, shape mismatches
         raise ConfigError(f'{what} {path} does not fit the model: {e}') from e
-    except Exception as e:  # truncated or not a checkpoint at all
-        raise ConfigError(f'{what} {path} is unreadable ({type(e).__name__}: {e}).') from e
+
+
+def _classifier_classes(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
+    """The class count of a checkpoint's head, found through the model's `pretrained_cfg['classifier']`."""
+    classifier = getattr(model, 'pretrained_cfg', {}).get('classifier')
+    weight = state_dict.get(f'{classifier}.weight') if isinstance(classifier, str) else None
+    return int(weight.shape[0]) if weight is not None else None
 
 
 def _head_classes(model: nn.Module) -> Optional[int]:
@@ -237,21 +250,23 @@ def _head_classes(model: nn.Module) -> Optional[int]:
 
 def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
     """Create `cfg.model` with timm (`pretrained`, `norm_layer`, `in_chans`, `model_kwargs`) and load
-    `cfg.initial_checkpoint`. Without weights to load, `cfg.num_classes` sizes the head directly."""
+    `cfg.initial_checkpoint`, its head sized as in the checkpoint (`Trainer` then checks it against the data).
+    Otherwise `cfg.num_classes` sizes the head (timm drops a pretrained head of another size)."""
     kwargs = dict(cfg.model_kwargs)
     if cfg.norm_layer:
         kwargs['norm_layer'] = cfg.norm_layer
     kwargs.setdefault('in_chans', in_chans)
-    if cfg.num_classes and not (cfg.pretrained or cfg.initial_checkpoint):
+    if cfg.num_classes and not cfg.initial_checkpoint:
         kwargs.setdefault('num_classes', cfg.num_classes)
-    try:
-        model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
-    except RuntimeError as e:
-        if 'Unknown model' in str(e):
-            raise ConfigError(f"unknown model '{cfg.model}'; list names with timm.list_models().") from e
-        raise
+    if ':' not in cfg.model and not timm.is_model(cfg.model):  # 'hf-hub:' / 'local-dir:' names resolve later
+        raise ConfigError(f"unknown model '{cfg.model}'; list the names with timm.list_models().")
+    model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
     if cfg.initial_checkpoint:
-        _load_weights(model, cfg.initial_checkpoint, 'initial checkpoint')
+        state_dict = _read_weights(cfg.initial_checkpoint, 'initial checkpoint')
+        classes = _classifier_classes(model, state_dict)
+        if classes is not None and classes != _head_classes(model) and 'num_classes' not in cfg.model_kwargs:
+            model = timm.create_model(cfg.model, **kwargs, num_classes=classes)
+        _load_weights(model, state_dict, cfg.initial_checkpoint, 'initial checkpoint')
     return model
 
 
@@ -265,7 +280,7 @@ def create_teacher(
     if isinstance(teacher, str):
         model = timm.create_model(teacher, **kwargs)
         if checkpoint:
-            _load_weights(model, checkpoint, 'teacher checkpoint')
+            _load_weights(model, _read_weights(checkpoint, 'teacher checkpoint'), checkpoint, 'teacher checkpoint')
         else:
             _logger.warning(f"teacher '{teacher}' has no checkpoint: distilling from random weights.")
         teacher = model
@@ -405,12 +420,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model: Optional[nn.Module] = None, teacher: Optional[nn.Module] = None):
         cfg.validate()
         self.cfg = cfg
-        info = init_distributed_device_so(device=cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-        self.device = torch.device(info['device'])
-        self.rank, self.world_size, self.distributed = info['global_rank'], info['world_size'], info['distributed']
-        self.is_primary = self.rank == 0
-        random_seed(cfg.seed, self.rank)
+        self._init_device()
         self.amp_dtype = self._resolve_amp_dtype()
+        random_seed(cfg.seed)  # the same initial weights on every rank
 
         in_chans = 1 if is_fashion_mnist(cfg.dataset) else (cfg.in_chans or 3)
         if cfg.in_chans and cfg.in_chans != in_chans:
@@ -431,6 +443,7 @@ class Trainer:
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError('the model has no trainable parameters (all have requires_grad=False).')
         self.model = model.to(self.device)
+        random_seed(cfg.seed, self.rank)  # each rank its own augmentation / dropout stream
         self.model_args = {**cfg.model_kwargs, 'in_chans': in_chans, 'num_classes': self.num_classes}
         if cfg.norm_layer:
             self.model_args['norm_layer'] = cfg.norm_layer
@@ -444,14 +457,15 @@ class Trainer:
             warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=not cfg.sched_on_updates,
             updates_per_epoch=self.updates_per_epoch)
         self.loss_scaler = NativeScaler(self.device.type) if self.amp_dtype == torch.float16 else None
-        self.ema = ModelEmaV3(
-            self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) if cfg.model_ema else None
         base_loss = LabelSmoothingCrossEntropy(cfg.smoothing) if cfg.smoothing > 0 else nn.CrossEntropyLoss()
         self.train_loss_fn = DistillationLoss(base_loss, cfg.distill_weight, cfg.distill_temperature) \
             if self.teacher is not None else base_loss
         self.ddp_model = DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == 'cuda' else None) \
             if self.distributed else self.model
+        # EMA of the unwrapped model, made after DDP has broadcast rank 0's weights so every rank starts alike
+        self.ema = ModelEmaV3(
+            self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) if cfg.model_ema else None
 
         self.epoch = 0  # epoch in progress
         self.update_in_epoch = 0  # optimiser updates done in it
@@ -461,11 +475,26 @@ class Trainer:
         self._meter = torch.zeros(2, dtype=torch.float64, device=self.device)  # epoch loss sum, samples
         self._pending_rng: Optional[Dict[str, Any]] = None
         self._stop_requested = False
+        self.last_checkpoint: Optional[str] = None
         self.checkpoint_dir = os.path.join(cfg.output, 'checkpoints')
         if cfg.resume:
             self.load_checkpoint(resolve_checkpoint(cfg.resume))
 
     # ---- set-up helpers
+    def _init_device(self) -> None:
+        """Device, rank and world size; joins the process group under torchrun (once per process)."""
+        device = self.cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu')
+        if dist.is_available() and dist.is_initialized():  # a second Trainer in the same process
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            local_rank = int(os.environ.get('LOCAL_RANK', 0))
+            info = dict(device=f'cuda:{local_rank}' if device == 'cuda' else device, global_rank=rank,
+                        world_size=world_size, distributed=world_size > 1)
+        else:
+            info = init_distributed_device_so(device=device)
+        self.device = torch.device(info['device'])
+        self.rank, self.world_size, self.distributed = info['global_rank'], info['world_size'], info['distributed']
+        self.is_primary = self.rank == 0
+
     def _resolve_amp_dtype(self) -> Optional[torch.dtype]:
         if not self.cfg.amp:
             return None
@@ -590,8 +619,8 @@ class Trainer:
                     stop = self._stop_requested and not self.distributed
                 if stop:
                     raise _StopRequested()
+        self._sync_check(epoch)  # also waits for the device, so the time below is the real one
         elapsed = time.perf_counter() - start
-        self._sync_check(epoch)
         meter = self._meter.clone()
         if self.distributed:
             dist.all_reduce(meter)
@@ -675,6 +704,8 @@ class Trainer:
                     raise TrainingInterrupted(self._save_interrupt_checkpoint(
                         epoch, at_sync_point=isinstance(e, _StopRequested))) from None
                 self._end_epoch(epoch, train_metrics, epoch_start)
+                if epoch + 1 < self.num_epochs and self._sync_check(epoch):  # a stop asked for during evaluation
+                    raise TrainingInterrupted(self.last_checkpoint)
         weights_file = os.path.join(self.cfg.output, _MODEL_FILE)
         if self.is_primary:
             _save_safetensors(self.final_model.state_dict(), weights_file)
@@ -756,6 +787,7 @@ class Trainer:
                 _atomic_write_text(os.path.join(self.checkpoint_dir, 'best.json'), pointer)
             self._prune_checkpoints()
         self._barrier()
+        self.last_checkpoint = path
         return path
 
     def _prune_checkpoints(self) -> None:
