@@ -274,6 +274,16 @@ def test_trains_on_image_folder(tmp_path):
     assert result.metrics['val_top5'] == 100.0 and 0 <= result.metrics['val_top1'] <= 100
 
 
+def test_bfloat16_amp_with_clipping_on_cpu(tmp_path):
+    cfg = tiny_config(tmp_path, amp=True, clip_grad=1.0, epochs=1, train_subset=64, val_subset=32)
+    trainer = Trainer(cfg)
+    assert trainer.amp_dtype == torch.bfloat16 and trainer.loss_scaler is None
+    metrics = trainer.fit().metrics
+    assert np.isfinite(metrics['train_loss']) and np.isfinite(metrics['val_loss'])
+    with pytest.raises(ConfigError, match='bfloat16 on CPU'):
+        Trainer(tiny_config(tmp_path, amp=True, amp_dtype='float16', device='cpu'))
+
+
 class _PoisonAfter(nn.Module):
     """Wraps a model; its training outputs turn NaN after `after` training forward passes."""
 

@@ -721,7 +721,7 @@ class Trainer:
         if not math.isfinite(self._meter[0].item()):
             _logger.error('interrupted with a non-finite training loss: no checkpoint written.')
             return None
-        return self.save_checkpoint(f'interrupt-{epoch:04d}-{self.update_in_epoch:06d}', rank_states=at_sync_point)
+        return self.save_checkpoint(f'interrupt-{epoch:04d}-{self.update_in_epoch:06d}', collective=at_sync_point)
 
     @contextmanager
     def _stop_on_signals(self) -> Iterator[None]:
@@ -748,9 +748,9 @@ class Trainer:
         if self.distributed:
             dist.barrier()
 
-    def _train_state(self, rank_states: bool) -> Dict[str, Any]:
+    def _train_state(self, collective: bool) -> Dict[str, Any]:
         rank_state = dict(rng=_rng_state(), meter=self._meter.cpu())
-        if rank_states and self.distributed:
+        if collective and self.distributed:
             rank_list: List[Any] = [None] * self.world_size
             dist.all_gather_object(rank_list, rank_state)
         else:
@@ -766,11 +766,11 @@ class Trainer:
             ranks=rank_list, history=self.history, best=self.best,
         )
 
-    def save_checkpoint(self, name: str, is_best: bool = False, rank_states: bool = True) -> Optional[str]:
+    def save_checkpoint(self, name: str, is_best: bool = False, collective: bool = True) -> Optional[str]:
         """Write `checkpoints/<name>/` (model / EMA safetensors + `train_state.pt`) atomically, point
         `checkpoints/last.json` (and `best.json`) at it, and prune older ones. Rank 0 writes; returns its path.
-        With `rank_states`, every rank's RNG state is gathered (a collective: all ranks must call it)."""
-        state = self._train_state(rank_states)
+        With `collective` (all ranks call it) every rank's RNG state is kept; without, only this rank's."""
+        state = self._train_state(collective)
         path = os.path.join(self.checkpoint_dir, name)
         if self.is_primary:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
@@ -786,7 +786,8 @@ class Trainer:
             if is_best:
                 _atomic_write_text(os.path.join(self.checkpoint_dir, 'best.json'), pointer)
             self._prune_checkpoints()
-        self._barrier()
+        if collective:
+            self._barrier()
         self.last_checkpoint = path
         return path
 
