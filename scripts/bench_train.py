@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Throughput of the Trainer's training loop against a bare PyTorch loop, same model, data and optimiser, one run.
+
+Both loops take the same batches from the same loader (pre-loaded into memory, so data loading is left out) and
+alternate for several rounds; the median and the best images/s of each are compared (on a shared machine the best
+round is the steadier estimate). The issue asks for an overhead under 10%.
+
+    python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 5
+"""
+import argparse
+import ast
+import os
+import statistics
+import sys
+import time
+from typing import List, Tuple
+
+import timm
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timm_affinediv.train import TrainConfig, Trainer  # noqa: E402
+
+
+def bare_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module,
+              batches: List[Tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """The reference: forward, loss, backward, step. Returns images/s."""
+    model.train()
+    start = time.perf_counter()
+    for x, target in batches:
+        x, target = x.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        loss = loss_fn(model(x), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    if device.type == 'cuda':
+        torch.cuda.synchronize()
+    return len(batches) * batches[0][0].shape[0] / (time.perf_counter() - start)
+
+
+class _FixedBatches:
+    """Stands in for the Trainer's loader: yields the same in-memory batches, keeps its sampler / generator."""
+
+    def __init__(self, loader, batches):
+        self.sampler, self.generator, self.batches = loader.sampler, loader.generator, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', default='resnet18')
+    p.add_argument('--model-kwargs', default='{}', help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
+    p.add_argument('-b', '--batch-size', type=int, default=64)
+    p.add_argument('--steps', type=int, default=20, help='batches per round')
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+    p.add_argument('--amp', action='store_true')
+    p.add_argument('--no-progress', action='store_true', help='measure the Trainer without its progress bar')
+    args = p.parse_args()
+
+    cfg = TrainConfig(
+        model=args.model, model_kwargs=ast.literal_eval(args.model_kwargs), num_classes=10, batch_size=args.batch_size,
+        train_subset=args.batch_size * args.steps, val_subset=args.batch_size, workers=0, epochs=10 ** 6,
+        smoothing=0., sched='none', progress=not args.no_progress, log_interval=50, amp=args.amp, device=args.device,
+        output='runs/bench_train')
+    trainer = Trainer(cfg)
+    device = trainer.device
+    batches = list(trainer.train_loader)
+    trainer.train_loader = _FixedBatches(trainer.train_loader, batches)
+    bare_model = timm.create_model(args.model, num_classes=10, in_chans=1, **cfg.model_kwargs).to(device)
+    bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    loss_fn = nn.CrossEntropyLoss()
+    autocast = torch.autocast(device.type, dtype=trainer.amp_dtype) if args.amp else None
+
+    def run_bare() -> float:
+        if autocast is None:
+            return bare_loop(bare_model, bare_opt, loss_fn, batches, device)
+        with autocast:
+            return bare_loop(bare_model, bare_opt, loss_fn, batches, device)
+
+    def run_trainer(round_idx: int) -> float:
+        trainer.update_in_epoch = 0  # each call is a fresh epoch (fit() does this at each epoch's end)
+        return trainer.train_one_epoch(round_idx)['train_img_s']
+
+    run_bare()  # warm-up both
+    run_trainer(0)
+    bare, ours = [], []
+    for round_idx in range(1, args.rounds + 1):
+        bare.append(run_bare())
+        ours.append(run_trainer(round_idx))
+    print(f'{args.model} on {device}, batch {args.batch_size}, {args.steps} steps x {args.rounds} rounds')
+    print(f'bare PyTorch loop : rounds {", ".join(f"{v:.0f}" for v in bare)} img/s')
+    print(f'Trainer           : rounds {", ".join(f"{v:.0f}" for v in ours)} img/s')
+    for name, stat in (('median', statistics.median), ('best', max)):  # best-of-rounds resists machine load
+        b, o = stat(bare), stat(ours)
+        print(f'{name:6s}: bare {b:8.1f} img/s, Trainer {o:8.1f} img/s, ratio {o / b:.3f} '
+              f'(overhead {100 * (1 - o / b):.1f}%)')
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Train or fine-tune a timm model (PatchNorm or any other) on Fashion-MNIST or an image folder.
+
+Flags follow timm's train.py. One process:
+    python scripts/finetune.py --model resnet18 --num-classes 10 --epochs 5 --output runs/r18
+Fine-tune a converted model with distillation from the original:
+    python scripts/finetune.py --model resnet18 --norm-layer patchnorm --initial-checkpoint converted/ \\
+        --teacher resnet18 --teacher-checkpoint original/ --distill-weight 0.5 --output runs/r18-pn
+Several processes (DistributedDataParallel; gloo on CPU, nccl on CUDA):
+    torchrun --nproc_per_node=2 scripts/finetune.py --model resnet18 --num-classes 10 --output runs/ddp
+Resume (same result as an uninterrupted run):  ... --resume runs/r18
+"""
+import argparse
+import logging
+import os
+import sys
+from typing import List, Optional
+
+import torch
+from timm.utils import ParseKwargs, setup_default_logging
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timm_affinediv.data import DataError  # noqa: E402
+from timm_affinediv.train import (  # noqa: E402
+    NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted)
+
+_logger = logging.getLogger('finetune')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; each flag's `dest` is a `TrainConfig` field."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group('model')
+    g.add_argument('--model', default=d.model, help=f'timm model name (default: {d.model})')
+    g.add_argument('--pretrained', action='store_true', help='start from timm pretrained weights')
+    g.add_argument('--initial-checkpoint', '--checkpoint', dest='initial_checkpoint', metavar='PATH',
+                   help='weights to start from (.safetensors / .pth, or a Hub-format folder)')
+    g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
+                   help='extra timm.create_model arguments, e.g. drop_rate=0.1')
+    g.add_argument('--norm-layer', help="norm layer passed to timm.create_model (e.g. 'patchnorm')")
+    g.add_argument('--num-classes', type=int,
+                   help="classes of the head; a head that does not match is replaced by a new one")
+    g.add_argument('--in-chans', type=int, help='image channels for image folders (Fashion-MNIST: 1)')
+    g = p.add_argument_group('data')
+    g.add_argument('--dataset', default=d.dataset, help="'fashion-mnist' (built in), or '' for an image folder")
+    g.add_argument('--data-dir', help='data folder (default for Fashion-MNIST: /usr/share/datasets/fashion-mnist)')
+    g.add_argument('--train-split', default=d.train_split)
+    g.add_argument('--val-split', default=d.val_split)
+    g.add_argument('--img-size', type=int, help='input size (default: 32 for Fashion-MNIST, else the model\'s)')
+    g.add_argument('--train-subset', type=int, help='train on a fixed random subset of N images')
+    g.add_argument('--val-subset', type=int, help='evaluate on a fixed random subset of N images')
+    g.add_argument('-b', '--batch-size', type=int, default=d.batch_size, help='batch size per process')
+    g.add_argument('-vb', '--validation-batch-size', type=int)
+    g.add_argument('-j', '--workers', type=int, default=d.workers, help='data loading processes per process')
+    g.add_argument('--no-aug', action='store_true', help='no training augmentation')
+    g.add_argument('--scale', type=float, nargs=2, default=d.scale, metavar=('MIN', 'MAX'),
+                   help='random resized crop area range')
+    g.add_argument('--hflip', type=float, default=d.hflip)
+    g.add_argument('--color-jitter', type=float, default=d.color_jitter)
+    g = p.add_argument_group('optimisation')
+    g.add_argument('--epochs', type=int, default=d.epochs)
+    g.add_argument('--opt', default=d.opt, help='timm optimizer name')
+    g.add_argument('--lr', type=float, default=d.lr)
+    g.add_argument('--momentum', type=float, default=d.momentum)
+    g.add_argument('--weight-decay', type=float, default=d.weight_decay)
+    g.add_argument('--sched', default=d.sched, help="timm scheduler name, or 'none'")
+    g.add_argument('--sched-on-epochs', dest='sched_on_updates', action='store_false',
+                   help='step the schedule once per epoch instead of each update')
+    g.add_argument('--warmup-epochs', type=int, default=d.warmup_epochs)
+    g.add_argument('--warmup-lr', type=float, default=d.warmup_lr)
+    g.add_argument('--min-lr', type=float, default=d.min_lr)
+    g.add_argument('--smoothing', type=float, default=d.smoothing, help='label smoothing')
+    g.add_argument('--amp', action='store_true', help='mixed precision (bfloat16 on CPU, float16 on CUDA)')
+    g.add_argument('--amp-dtype', choices=('bfloat16', 'float16'))
+    g.add_argument('--grad-accum-steps', type=int, default=d.grad_accum_steps)
+    g.add_argument('--clip-grad', type=float, help='gradient clipping value')
+    g.add_argument('--clip-mode', default=d.clip_mode, choices=('norm', 'value', 'agc'))
+    g.add_argument('--model-ema', action='store_true', help='keep (and publish) EMA weights')
+    g.add_argument('--model-ema-decay', type=float, default=d.model_ema_decay)
+    g.add_argument('--model-ema-warmup', action='store_true')
+    g = p.add_argument_group('distillation')
+    g.add_argument('--teacher', help='timm model name of the teacher (e.g. the unconverted model)')
+    g.add_argument('--teacher-checkpoint', metavar='PATH', help='teacher weights (file or Hub-format folder)')
+    g.add_argument('--teacher-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE')
+    g.add_argument('--distill-weight', type=float, default=d.distill_weight, help='weight of the KD loss, 0..1')
+    g.add_argument('--distill-temperature', type=float, default=d.distill_temperature)
+    g = p.add_argument_group('run')
+    g.add_argument('--seed', type=int, default=d.seed)
+    g.add_argument('--device', help="'cpu' or 'cuda' (default: cuda if available)")
+    g.add_argument('--output', default=d.output, help='output folder (checkpoints, logs, model.safetensors)')
+    g.add_argument('--resume', metavar='PATH', help='continue from a run folder or checkpoint folder')
+    g.add_argument('--checkpoint-hist', type=int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
+    g.add_argument('--log-interval', type=int, default=d.log_interval, help='updates between loss checks')
+    g.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bars')
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command line; return the exit status (0 done, 1 failed, 2 bad input, 130 interrupted)."""
+    setup_default_logging(default_level=logging.INFO if os.environ.get('RANK', '0') == '0' else logging.WARNING)
+    args = build_parser().parse_args(argv)
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if v is not None})
+    if cfg.scale is not None:
+        cfg.scale = tuple(cfg.scale)
+    try:
+        result = Trainer(cfg).fit()
+    except TrainingInterrupted as e:
+        _logger.warning(f'{e}; continue with --resume {cfg.output}')
+        return 130
+    except NonFiniteLossError as e:
+        _logger.error(str(e))
+        return 1
+    except (DataError, TrainingError) as e:
+        _logger.error(str(e))
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    m = result.metrics
+    _logger.info(f"done: top-1 {m.get('ema_val_top1', m['val_top1']):.2f}%, weights in {result.weights_file}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
