@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--positions', type=int, default=8, help='output positions measured per image (default 8)')
     parser.add_argument('--num-classes', type=int, default=10)
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--threads', type=int, default=1, help='torch CPU threads (default 1)')
     parser.add_argument('--output', help='folder for report.md, report.json and the PNGs')
     args = parser.parse_args(argv)
 
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     kwargs = dict(norm_layer=args.norm) if args.norm else {}
     model = timm.create_model(args.model, in_chans=1, num_classes=args.num_classes,

@@ -262,10 +262,13 @@ def plot_report(report: Sequence[LayerFactorStats], output_dir: str, title: str 
         fig, ax = plt.subplots(figsize=(4, 2.6), dpi=80)
         values = s.factors.clamp_min(1e-6).numpy()
         lo, hi = values.min(), values.max()
-        bins = [lo * 0.99, hi * 1.01] if hi <= lo * 1.0001 else torch.logspace(
-            math.log10(lo), math.log10(hi), 30).numpy()
-        ax.hist(values, bins=bins, color='tab:green' if s.corrected else 'tab:red')
-        ax.set_xscale('log')
+        color = 'tab:green' if s.corrected else 'tab:red'
+        if hi <= lo * (1 + 1e-6):  # one factor: a single bar, labelled with its value
+            ax.hist(values, bins=[lo * 0.99, hi * 1.01], color=color)
+            ax.set_xticks([s.median], [f'{s.median:.4g}'])
+        else:
+            ax.hist(values, bins=torch.logspace(math.log10(lo), math.log10(hi), 30).numpy(), color=color)
+            ax.set_xscale('log')
         ax.set_xlabel('effective-update factor')
         ax.set_ylabel('count')
         ax.set_title(f'{s.name} ({s.layer_type})\nspread {s.spread:.3g}', fontsize=8)
