@@ -205,9 +205,11 @@ def divergence_report(
     Every `nn.Linear`/`nn.Conv2d` (plain or divergence corrected) gets, for each of the first
     `samples` samples and `positions_per_sample` random output positions (all if None), one SGD
     step (learning rate `lr`) on its own weight and bias, with the gradient at that output vector
-    only, on a float64 copy of the layer fed the input it saw in `model(batch)` (eval mode). The
-    factor is `delta / (-lr * g)` at the layer's own output: `|x|^2 + 1` (`|P_p|^2 + 1`, or without
-    the `+1` when the layer has no bias) for a plain layer, the constant `c` for a corrected one.
+    only, on a float64 copy of the layer fed the input it saw in `model(batch)` (the window of it
+    that the output vector reads, which gives exactly that vector). The factor is
+    `delta / (-lr * g)` at the layer's own output (for a layer bound to a `patchnorm` slot, before
+    the slot's per-channel gain): `|x|^2 + 1` (`|P_p|^2 + 1`, or without the `+1` when the layer
+    has no bias) for a plain layer, the constant `c` for a corrected one.
     The forward runs in eval mode (running statistics), or with the batch's statistics if
     `batch_stats` (for an untrained model, whose running statistics mean nothing yet). Layers are
     listed in forward order; the model is not changed.
