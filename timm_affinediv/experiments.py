@@ -55,9 +55,9 @@ class Config:
 
 
 FULL = dict(
-    mlp=Config(10000, 2000, 10000, epochs=8, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
+    mlp=Config(10000, 2000, 10000, epochs=8, lrs=(0.003, 0.01, 0.03, 0.1, 0.3), seeds=3),
     conv=Config(10000, 2000, 10000, epochs=5, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
-    batch=Config(10000, 2000, 10000, epochs=5, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3,
+    batch=Config(10000, 2000, 10000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3), seeds=3,
                  batch_sizes=(16, 32, 64, 128, 256, 512)),
 )
 QUICK = dict(
