@@ -22,6 +22,7 @@ from timm.utils import ParseKwargs, setup_default_logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from timm_affinediv.data import DataError  # noqa: E402
+from timm_affinediv.pipeline import final_top1, publish_run  # noqa: E402
 from timm_affinediv.train import (  # noqa: E402
     NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted)
 
@@ -105,7 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cfg.scale is not None:
         cfg.scale = tuple(cfg.scale)
     try:
-        result = Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        result = trainer.fit()
     except TrainingInterrupted as e:
         _logger.warning(f'{e}; continue with --resume {cfg.output}')
         return 130
@@ -118,8 +120,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    m = result.metrics
-    _logger.info(f"done: top-1 {m.get('ema_val_top1', m['val_top1']):.2f}%, weights in {result.weights_file}")
+    if trainer.is_primary:
+        folder = publish_run(result, overwrite=True)
+        _logger.info(f"done: top-1 {final_top1(result.metrics):.2f}%, Hub-ready folder {folder}")
     return 0
 
 

@@ -15,10 +15,10 @@ import torch.nn as nn
 from timm.models._input import get_model_args
 
 from .hub import save_hub_folder
-from .train import TrainConfig, Trainer
+from .train import TrainConfig, Trainer, TrainResult
 from .workflow import convert_to_folder, load_trained_model
 
-__all__ = ['PipelineConfig', 'run_pipeline']
+__all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1']
 
 _logger = logging.getLogger(__name__)
 
@@ -47,6 +47,30 @@ class PipelineConfig:
     overwrite: bool = False
 
 
+def final_top1(metrics: Dict[str, float], k: int = 1) -> float:
+    """Top-k (%) of a run's metrics: of the EMA weights when there are some (those are the final weights)."""
+    return metrics.get(f'ema_val_top{k}', metrics[f'val_top{k}'])
+
+
+def publish_run(
+        result: TrainResult,
+        folder: Optional[str] = None,
+        recipe: Optional[str] = None,
+        extra_files: Optional[Dict[str, str]] = None,
+        overwrite: bool = False,
+) -> Path:
+    """The Hub-ready folder (default `<output>/model`) of a finished run, its measured metrics in the card."""
+    folder = Path(folder or Path(result.output_dir) / 'model')
+    model = result.model
+    recipe = recipe or (f'Trained with timm-affinediv\'s trainer: {len(result.history)} epochs, '
+                        f'see train_config.json in the run folder.')
+    card = dict(datasets=['zalando-datasets/fashion_mnist'], dataset_name='Fashion-MNIST', recipe=recipe,
+                norm_layer=get_model_args(model).get('norm_layer', 'the architecture\'s default'))
+    metrics = dict(top1=round(final_top1(result.metrics), 2), top5=round(final_top1(result.metrics, 5), 2))
+    return save_hub_folder(model, folder, model_args=get_model_args(model), card=card, metrics=metrics,
+                           extra_files=extra_files, overwrite=overwrite)
+
+
 def _train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
     settings = dict(
         model=cfg.model, model_kwargs=dict(cfg.model_kwargs), num_classes=10, dataset='fashion-mnist',
@@ -62,11 +86,8 @@ def _baseline(cfg: PipelineConfig, out: Path) -> nn.Module:
     _logger.info(f'training the BatchNorm baseline {cfg.model} from scratch ({cfg.baseline_epochs} epochs)')
     result = Trainer(_train_config(
         cfg, epochs=cfg.baseline_epochs, lr=cfg.lr, output=str(out / 'baseline-run'))).fit()
-    save_hub_folder(result.model, out / 'baseline', model_args=get_model_args(result.model),
-                    card=dict(datasets=['zalando-datasets/fashion_mnist'], dataset_name='Fashion-MNIST',
-                              recipe=f'Trained from scratch for {cfg.baseline_epochs} epochs by the '
-                                     'timm-affinediv demo pipeline.'),
-                    metrics=dict(top1=round(result.metrics['top1'], 2)), overwrite=cfg.overwrite)
+    publish_run(result, str(out / 'baseline'), overwrite=cfg.overwrite,
+                recipe=f'Trained from scratch for {cfg.baseline_epochs} epochs by the timm-affinediv demo pipeline.')
     return load_trained_model(f'local-dir:{out / "baseline"}')
 
 
@@ -89,17 +110,13 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
         output=str(out / 'finetune-run')), model=converted, teacher=baseline).fit()
     summary = dict(
         baseline_top1=conversion['original']['top1'], converted_top1=conversion['converted']['top1'],
-        finetuned_top1=result.metrics['top1'], finetuned_top5=result.metrics['top5'],
+        finetuned_top1=final_top1(result.metrics), finetuned_top5=final_top1(result.metrics, 5),
         seconds=round(time.perf_counter() - start, 1))
     recipe = (f'A BatchNorm `{report.architecture}` trained on Fashion-MNIST ({summary["baseline_top1"]:.2f}% top-1), '
               f'converted to `norm_layer="{cfg.norm}"` with {report.calibration_batches} calibration batches '
               f'({summary["converted_top1"]:.2f}%), then fine-tuned for {cfg.finetune_epochs} epochs with '
               f'distillation from the BatchNorm model (weight {cfg.distill_weight}, temperature '
               f'{cfg.distill_temperature}).')
-    save_hub_folder(
-        result.model, out / 'model', model_args=get_model_args(converted), overwrite=cfg.overwrite,
-        card=dict(datasets=['zalando-datasets/fashion_mnist'], dataset_name='Fashion-MNIST', recipe=recipe,
-                  norm_layer=cfg.norm),
-        metrics=dict(top1=round(result.metrics['top1'], 2), top5=round(result.metrics['top5'], 2)),
-        extra_files={'pipeline_summary.json': json.dumps(summary, indent=2)})
+    publish_run(result, str(out / 'model'), recipe=recipe, overwrite=cfg.overwrite,
+                extra_files={'pipeline_summary.json': json.dumps(summary, indent=2)})
     return summary

@@ -40,6 +40,7 @@ from timm.utils.distributed import init_distributed_device_so
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from .binding import bind_patchnorm
 from .data import (
     create_eval_loader, create_train_loader, dataset_num_classes, is_fashion_mnist, resolve_dataset_data_config,
     set_loader_epoch,
@@ -304,6 +305,7 @@ def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[in
                           f'classes instead.')
     _logger.info(f'replacing the {head}-class head with a new {dataset_classes}-class one')
     model.reset_classifier(dataset_classes)
+    bind_patchnorm(model)  # the new head is a plain Linear: a patchnorm slot before it corrects it again
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -429,6 +431,8 @@ class Trainer:
             raise ConfigError(f'Fashion-MNIST has 1 channel, not --in-chans {cfg.in_chans}.')
         model = model if model is not None else create_train_model(cfg, in_chans)
         self.data_config = resolve_dataset_data_config(cfg.dataset, model, in_chans, cfg.img_size)
+        # the preprocessing the weights expect travels with them (config.json, resolve_data_config)
+        model.pretrained_cfg = {**getattr(model, 'pretrained_cfg', {}), **self.data_config}
         loader_args = dict(workers=cfg.workers, rank=self.rank, world_size=self.world_size,
                            pin_memory=self.device.type == 'cuda')
         self.train_loader = create_train_loader(
