@@ -128,7 +128,8 @@ class _DivergenceCorrected:
     """
     _post_affine = None
 
-    def fuse_post_affine(self, slot: nn.Module) -> None:
+    def fuse_post_affine(self, slot: Optional[nn.Module]) -> None:
+        """Apply `slot`'s per-channel affine after the division (None: stop applying one)."""
         # a plain attribute, not a submodule: the slot's parameters stay where the model has them
         object.__setattr__(self, '_post_affine', slot)
 

@@ -152,6 +152,8 @@ def _layer_factors(
     layer = copy.deepcopy(layer).double()
     x = x.double()
     corrected = isinstance(layer, (AffineDivLinear, PatchNormConv2d))
+    if corrected:  # the layer's own factor: without a bound slot's gain that it applies in the same pass
+        layer.fuse_post_affine(None)
     has_bias = float(layer.bias is not None)
     if isinstance(layer, nn.Conv2d):
         x = _pad_input(layer, x)
