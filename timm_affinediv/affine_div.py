@@ -16,7 +16,6 @@ Norms are computed in float32 whatever the input dtype, so float16/bfloat16 do n
 
 Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026.
 """
-import math
 from typing import Optional, Tuple, Union
 
 import torch

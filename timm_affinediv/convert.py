@@ -26,7 +26,6 @@ pre-division bias `b - mu`: exact wherever the patch's root mean square `s(P)` i
 LayerNorm the slot takes `gamma` and `beta` as they are.
 """
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -103,7 +102,8 @@ def _architecture(model: nn.Module) -> str:
     return arch
 
 
-def _in_chans(model: nn.Module) -> int:
+def model_in_chans(model: nn.Module) -> int:
+    """The input channels of a model: those of its first convolution."""
     first = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
     if first is None:
         raise ConversionError(f'{type(model).__name__} has no Conv2d: nothing to convert to PatchNorm.')
@@ -114,7 +114,7 @@ def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -
     """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them)."""
     if norm not in CONVERSION_NORMS:
         raise ConversionError(f'norm must be one of {CONVERSION_NORMS}, got {norm!r}')
-    kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=_in_chans(model))
+    kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=model_in_chans(model))
     kwargs.update({k: v for k, v in get_model_args(model).items() if k != 'norm_layer'})
     kwargs.update(model_kwargs)
     return timm.create_model(_architecture(model), norm_layer=norm, **kwargs)
@@ -354,7 +354,7 @@ def convert_model(
     norms = _check_norms(model, converted)
     _carry_weights(model, converted, norms)
     batches = [_images(b) for b in calibration] if calibration is not None else []
-    in_chans = _in_chans(model)
+    in_chans = model_in_chans(model)
     for x in batches:
         _check_batch(x, in_chans)
     report = ConversionReport(

@@ -13,7 +13,7 @@ import torch.nn as nn
 from timm.models._input import get_model_args
 from timm.utils import accuracy
 
-from .convert import ConversionError, ConversionReport, convert_model
+from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from .hub import save_hub_folder
 
@@ -95,8 +95,7 @@ def convert_to_folder(
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
-    in_chans = next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
-    data_config = resolve_dataset_data_config(dataset, model, in_chans=in_chans)
+    data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calibration = None
     if calib_batches:
         loader = create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
