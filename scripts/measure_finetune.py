@@ -1,0 +1,41 @@
+#!/usr/bin/env python3
+"""Fine-tuning a converted model, with and without distillation, against training the same PatchNorm model from
+scratch for the same number of steps, and the original BatchNorm model; top-1 on the Fashion-MNIST test set.
+
+    python scripts/measure_finetune.py runs/demo      # after `make demo`
+"""
+import sys
+from pathlib import Path
+
+import timm_affinediv  # noqa: F401
+from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.pipeline import PipelineConfig, _train_config, final_top1
+from timm_affinediv.train import Trainer
+from timm_affinediv.workflow import evaluate, load_trained_model
+
+
+def main(run: str, epochs: int = 2) -> None:
+    cfg = PipelineConfig(output=run, val_subset=None)
+    baseline = load_trained_model(f'local-dir:{Path(run) / "baseline"}')
+    data_config = resolve_dataset_data_config('fashion-mnist', baseline, in_chans=1)
+    test = create_eval_loader('fashion-mnist', None, data_config, 256, workers=0)
+    rows = [('original BatchNorm', evaluate(baseline, test)['top1'])]
+    converted = lambda: load_trained_model(f'local-dir:{Path(run) / "converted"}')
+    rows.append(('converted, before fine-tuning', evaluate(converted(), test)['top1']))
+    runs = [('fine-tuned with distillation', dict(model=converted(), teacher=baseline), dict(distill_weight=0.5)),
+            ('fine-tuned without distillation', dict(model=converted()), {}),
+            ('PatchNorm from scratch, same steps', {}, dict(norm_layer='patchnorm', lr=cfg.lr))]
+    for name, modules, overrides in runs:
+        settings = dict(epochs=epochs, lr=cfg.finetune_lr, distill_temperature=cfg.distill_temperature,
+                        output=str(Path(run) / 'measure' / name.replace(' ', '-').replace(',', '')), progress=False)
+        settings.update(overrides)
+        result = Trainer(_train_config(cfg, **settings), **modules).fit()
+        rows.append((name, final_top1(result.metrics)))
+    print(f'| model ({epochs} epochs of fine-tuning, {cfg.train_subset} training images) | top-1 % (10k test) |')
+    print('|---|---:|')
+    for name, top1 in rows:
+        print(f'| {name} | {top1:.2f} |')
+
+
+if __name__ == '__main__':
+    main(sys.argv[1] if len(sys.argv) > 1 else 'runs/demo')
