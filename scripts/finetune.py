@@ -121,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     if trainer.is_primary:
-        folder = publish_run(result, overwrite=True)
+        folder = publish_run(result, dataset=cfg.dataset, data_dir=cfg.data_dir, overwrite=True)
         _logger.info(f"done: top-1 {final_top1(result.metrics):.2f}%, Hub-ready folder {folder}")
     return 0
 

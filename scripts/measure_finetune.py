@@ -9,7 +9,7 @@ from pathlib import Path
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
-from timm_affinediv.pipeline import PipelineConfig, _train_config, final_top1
+from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
 from timm_affinediv.train import Trainer
 from timm_affinediv.workflow import evaluate, load_trained_model
 
@@ -29,7 +29,7 @@ def main(run: str, epochs: int = 2) -> None:
         settings = dict(epochs=epochs, lr=cfg.finetune_lr, distill_temperature=cfg.distill_temperature,
                         output=str(Path(run) / 'measure' / name.replace(' ', '-').replace(',', '')), progress=False)
         settings.update(overrides)
-        result = Trainer(_train_config(cfg, **settings), **modules).fit()
+        result = Trainer(train_config(cfg, **settings), **modules).fit()
         rows.append((name, final_top1(result.metrics)))
     print(f'| model ({epochs} epochs of fine-tuning, {cfg.train_subset} training images) | top-1 % (10k test) |')
     print('|---|---:|')

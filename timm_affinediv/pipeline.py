@@ -16,9 +16,9 @@ from timm.models._input import get_model_args
 
 from .hub import save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
-from .workflow import convert_to_folder, load_trained_model
+from .workflow import convert_to_folder, hub_dataset, load_trained_model
 
-__all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1']
+__all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1', 'train_config']
 
 _logger = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ def final_top1(metrics: Dict[str, float], k: int = 1) -> float:
 def publish_run(
         result: TrainResult,
         folder: Optional[str] = None,
+        dataset: str = 'fashion-mnist',
+        data_dir: Optional[str] = None,
         recipe: Optional[str] = None,
         extra_files: Optional[Dict[str, str]] = None,
         overwrite: bool = False,
@@ -64,14 +66,15 @@ def publish_run(
     model = result.model
     recipe = recipe or (f'Trained with timm-affinediv\'s trainer: {len(result.history)} epochs, '
                         f'see train_config.json in the run folder.')
-    card = dict(datasets=['zalando-datasets/fashion_mnist'], dataset_name='Fashion-MNIST', recipe=recipe,
+    card = dict(datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset or data_dir, recipe=recipe,
                 norm_layer=get_model_args(model).get('norm_layer', 'the architecture\'s default'))
     metrics = dict(top1=round(final_top1(result.metrics), 2), top5=round(final_top1(result.metrics, 5), 2))
     return save_hub_folder(model, folder, model_args=get_model_args(model), card=card, metrics=metrics,
                            extra_files=extra_files, overwrite=overwrite)
 
 
-def _train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
+def train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
+    """The pipeline's training settings (Fashion-MNIST subset, batch size, seed), with `overrides`."""
     settings = dict(
         model=cfg.model, model_kwargs=dict(cfg.model_kwargs), num_classes=10, dataset='fashion-mnist',
         train_subset=cfg.train_subset, val_subset=cfg.val_subset, batch_size=cfg.batch_size, workers=cfg.workers,
@@ -84,7 +87,7 @@ def _baseline(cfg: PipelineConfig, out: Path) -> nn.Module:
     if cfg.checkpoint:
         return load_trained_model(cfg.model, cfg.checkpoint, num_classes=10, in_chans=1, **cfg.model_kwargs)
     _logger.info(f'training the BatchNorm baseline {cfg.model} from scratch ({cfg.baseline_epochs} epochs)')
-    result = Trainer(_train_config(
+    result = Trainer(train_config(
         cfg, epochs=cfg.baseline_epochs, lr=cfg.lr, output=str(out / 'baseline-run'))).fit()
     publish_run(result, str(out / 'baseline'), overwrite=cfg.overwrite,
                 recipe=f'Trained from scratch for {cfg.baseline_epochs} epochs by the timm-affinediv demo pipeline.')
@@ -104,7 +107,7 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
         eval_images=cfg.val_subset, overwrite=True)
     _logger.info(f"top-1: baseline {conversion['original']['top1']:.2f}%, "
                  f"converted {conversion['converted']['top1']:.2f}%; fine-tuning with distillation")
-    result = Trainer(_train_config(
+    result = Trainer(train_config(
         cfg, model=report.architecture, norm_layer=cfg.norm, epochs=cfg.finetune_epochs, lr=cfg.finetune_lr,
         distill_weight=cfg.distill_weight, distill_temperature=cfg.distill_temperature,
         output=str(out / 'finetune-run')), model=converted, teacher=baseline).fit()

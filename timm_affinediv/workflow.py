@@ -3,7 +3,6 @@
 `scripts/convert.py` and the demo pipeline (`scripts/pipeline.py`) are thin command lines over this.
 """
 import json
-import logging
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,9 +16,7 @@ from .convert import ConversionError, ConversionReport, convert_model, model_in_
 from .data import create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from .hub import save_hub_folder
 
-__all__ = ['load_trained_model', 'evaluate', 'convert_to_folder']
-
-_logger = logging.getLogger(__name__)
+__all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
 
 
 def load_trained_model(model: str, checkpoint: Optional[str] = None, **kwargs: Any) -> nn.Module:
@@ -66,7 +63,7 @@ def evaluate(model: nn.Module, loader) -> Dict[str, float]:
     return dict(top1=correct1 / total, top5=correct5 / total)
 
 
-def _hub_dataset(dataset: str, data_dir: Optional[str]) -> str:
+def hub_dataset(dataset: str, data_dir: Optional[str]) -> str:
     """The Hub dataset id for the model card's metadata."""
     if is_fashion_mnist(dataset):
         return 'zalando-datasets/fashion_mnist'
@@ -116,7 +113,7 @@ def convert_to_folder(
     save_hub_folder(
         converted, output, overwrite=overwrite,
         model_args=get_model_args(converted),
-        card=dict(base_model=base_model, datasets=[_hub_dataset(dataset, data_dir)], dataset_name=dataset,
+        card=dict(base_model=base_model, datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset,
                   recipe=recipe, norm_layer=norm),
         metrics=dict(top1=round(metrics['converted']['top1'], 2), top5=round(metrics['converted']['top5'], 2)),
         extra_files={'conversion_report.json': json.dumps(dict(report.to_dict(), metrics=metrics), indent=2)},
