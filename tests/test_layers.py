@@ -31,6 +31,9 @@ CONV_GEOMETRIES = [
     (4, 6, 3, 1, 'valid', (2, 1), 2, 'zeros'),
     (3, 5, 3, 2, 4, 1, 1, 'zeros'),            # padding wider than half the kernel
     (3, 4, 1, 1, 0, 1, 1, 'zeros'),            # 1x1: a Linear over channels
+    (3, 8, 1, 1, 0, 1, 1, 'zeros'),            # 1x1 wider than its input: scales the input instead
+    (4, 6, 1, 2, 0, 1, 1, 'zeros'),            # strided 1x1 (ResNet downsample): norms at the read positions
+    (4, 6, 1, (2, 3), 1, 1, 2, 'zeros'),       # strided, padded, grouped 1x1
     (4, 4, 2, 2, 0, 1, 1, 'zeros'),            # ConvNeXt downsample
     (3, 4, 3, 1, 1, 1, 1, 'reflect'),
     (4, 4, 3, 2, 1, 1, 2, 'replicate'),
@@ -90,9 +93,13 @@ def _positions(y: torch.Tensor):
 
 @pytest.mark.parametrize('case', GRID, ids=_geometry_id)
 def test_patchnorm_matches_im2col_reference(case):
+    """Both forward paths: with autograd, and the inference one that scales its output in place."""
     conv = _conv(*case)
     x = torch.randn(2, conv.in_channels, 9, 8)
-    torch.testing.assert_close(conv(x), _reference(conv, x), rtol=1e-10, atol=1e-12)
+    reference = _reference(conv, x)
+    torch.testing.assert_close(conv(x), reference, rtol=1e-10, atol=1e-12)
+    with torch.inference_mode():
+        torch.testing.assert_close(conv(x), reference.detach(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize('case', GRID, ids=_geometry_id)
@@ -134,22 +141,25 @@ def test_plain_conv_update_factor_is_patch_norm(case):
 
 @pytest.mark.parametrize('bias', [True, False])
 @pytest.mark.parametrize('scale', ['rms', 'l2'])
-def test_affine_div_linear(bias, scale):
+@pytest.mark.parametrize('out_features', [5, 12])  # 12 > 7 + 1: the path that scales the input
+def test_affine_div_linear(bias, scale, out_features):
     torch.manual_seed(0)
-    lin = AffineDivLinear(7, 5, bias=bias, scale=scale)
+    lin = AffineDivLinear(7, out_features, bias=bias, scale=scale)
     x = torch.randn(3, 4, 7) * torch.rand(3, 4, 1) * 5                     # varied sample norms
     sq = x.square().sum(-1)
     expected_out = F.linear(x, lin.weight, lin.bias) / ((sq + (1 if bias else lin.eps)) /
                                                         lin.divergence_constant).sqrt().unsqueeze(-1)
     torch.testing.assert_close(lin(x), expected_out, rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), expected_out.detach(), rtol=1e-12, atol=1e-12)
     assert lin.divergence_constant == divergence_constant(7, bias, scale) == (7 + bias if scale == 'rms' else 1)
-    plain = nn.Linear(7, 5, bias=bias)
+    plain = nn.Linear(7, out_features, bias=bias)
     plain.load_state_dict(lin.state_dict())
     for index in [(0, 0, slice(None)), (2, 3, slice(None))]:
         factor = update_factor(lambda: lin(x), [lin.weight, lin.bias], index)
         torch.testing.assert_close(factor, torch.full_like(factor, float(lin.divergence_constant)), rtol=1e-7, atol=0)
         plain_factor = update_factor(lambda: plain(x), [plain.weight, plain.bias], index)
-        torch.testing.assert_close(plain_factor, (sq[index[:2]] + float(bias)).expand(5), rtol=1e-7, atol=0)
+        torch.testing.assert_close(plain_factor, (sq[index[:2]] + float(bias)).expand(out_features), rtol=1e-7, atol=0)
 
 
 def test_pointwise_patchnorm_is_affine_div_linear():

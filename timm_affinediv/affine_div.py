@@ -44,9 +44,9 @@ def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _inv_scale(sq_norm: torch.Tensor, c: int, bias: bool, eps: float) -> torch.Tensor:
-    """`1 / s = sqrt(c / (|x|^2 + 1))` with a bias, `sqrt(c / (|x|^2 + eps))` without."""
-    return sq_norm.add(1.0 if bias else eps).div_(c).rsqrt()
+def _norm_offset(bias: bool, eps: float) -> float:
+    """What `|a|^2` adds to `|x|^2`: the bias's constant 1 in `a = [x; 1]`, else `eps` against 0/0."""
+    return 1.0 if bias else eps
 
 
 def _check_last_dim(x: torch.Tensor, features: int, name: str) -> None:
@@ -86,17 +86,26 @@ def box_sum(
         stride: Tuple[int, int] = (1, 1),
         padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
         dilation: Tuple[int, int] = (1, 1),
+        divisor: int = 1,
+        offset: float = 0.,
 ) -> torch.Tensor:
-    """Sum of `x` over every window of a convolution's geometry, per channel; `padding` is (left, right, top, bottom)."""
+    """ `sum(x) / divisor + offset` over every window of a convolution's geometry, per channel.
+
+    `padding` is (left, right, top, bottom). The division and offset ride in the filter's kernel and
+    bias, so the affine step that follows a box filter costs no pass of its own.
+    """
     (kh, kw), (left, right, top, bottom) = kernel_size, padding
     if left == right and top == bottom:
         pad = (top, left)
     else:
         x, pad = F.pad(x, padding), (0, 0)
-    if x.shape[1] <= _POOL_MAX_CHANNELS and dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2:
-        return F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=1)
-    ones = x.new_ones(x.shape[1], 1, kh, kw)
-    return F.conv2d(x, ones, stride=stride, padding=pad, dilation=dilation, groups=x.shape[1])
+    channels = x.shape[1]
+    if channels <= _POOL_MAX_CHANNELS and dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2:
+        out = F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=divisor)
+        return out.add_(offset) if offset else out
+    kernel = x.new_full((channels, 1, kh, kw), 1. / divisor)
+    bias = x.new_full((channels,), offset) if offset else None
+    return F.conv2d(x, kernel, bias, stride=stride, padding=pad, dilation=dilation, groups=channels)
 
 
 def patch_sq_norm(
@@ -106,16 +115,22 @@ def patch_sq_norm(
         padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
         dilation: Tuple[int, int] = (1, 1),
         groups: int = 1,
+        divisor: int = 1,
+        offset: float = 0.,
 ) -> torch.Tensor:
-    """ `|P_p|^2` for every output position `p` of a convolution, per group, in float32 (or float64).
+    """ `|P_p|^2 / divisor + offset` for every output position `p` of a convolution, per group, in float32
+    (or float64).
 
     `P_p` is the im2col column that position `p` reads: the group's input channels times the
     kernel window, zero padding included. Computed as a channel sum of `x^2` per group and a
     box filter with the convolution's geometry. `padding` is `(left, right, top, bottom)`.
     Returns `(N, groups, H_out, W_out)`.
     """
+    if kernel_size == (1, 1) and stride != (1, 1) and not any(padding):
+        # a strided 1x1 convolution reads only every stride-th position: take the norms there alone
+        x, stride = x[:, :, ::stride[0], ::stride[1]], (1, 1)
     with torch.autocast(x.device.type, enabled=False):
-        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation)
+        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset)
 
 
 class _DivergenceCorrected:
@@ -143,14 +158,21 @@ class _DivergenceCorrected:
 
     def _scale_output(self, y: torch.Tensor, inv_s: torch.Tensor, post_bias: Optional[torch.Tensor],
                       channel_dim: int, groups: int = 1) -> torch.Tensor:
-        """`y * inv_s (+ post_bias)`, one pass; `inv_s` has one channel per group along `channel_dim`."""
+        """ `y * inv_s (+ post_bias)`, one pass; `inv_s` has one channel per group along `channel_dim`.
+
+        Without autograd (inference) `y` is scaled in place: a fresh output tensor costs more than the pass.
+        """
         inv_s = inv_s.to(y.dtype)
         grouped = inv_s.shape[channel_dim] not in (1, y.shape[channel_dim])
         bias_shape = (-1,) + (1,) * (y.dim() - channel_dim - 1 if channel_dim >= 0 else 0)
         if grouped:
             y, inv_s, bias_shape = y.unflatten(channel_dim, (groups, -1)), inv_s.unsqueeze(channel_dim + 1), \
                 (groups,) + bias_shape
-        y = y * inv_s if post_bias is None else torch.addcmul(post_bias.view(bias_shape), y, inv_s)
+        out = None if torch.is_grad_enabled() else y
+        if post_bias is None:
+            y = torch.mul(y, inv_s, out=out)
+        else:
+            y = torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s, out=out)
         return y.flatten(channel_dim, channel_dim + 1) if grouped else y
 
     def _scaled_input(self, x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor,
@@ -201,7 +223,7 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
         with torch.autocast(x.device.type, enabled=False):
             x = at_least_float32(x)
             sq_norm = torch.linalg.vecdot(x, x).unsqueeze(-1)
-            return _inv_scale(sq_norm, self.divergence_constant, self.bias is not None, self.eps)
+            return sq_norm.add_(_norm_offset(self.bias is not None, self.eps)).div_(self.divergence_constant).rsqrt_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, type(self).__name__)
@@ -271,8 +293,11 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
 
     def inv_scale(self, x: torch.Tensor, padding: Tuple[int, int, int, int]) -> torch.Tensor:
         """`1 / s(P_p)` in float32 (or float64), `(N, groups, H_out, W_out)`, for `x` padded by `padding`."""
-        sq_norm = patch_sq_norm(x, self.kernel_size, self.stride, padding, self.dilation, self.groups)
-        return _inv_scale(sq_norm, self.divergence_constant, self.bias is not None, self.eps)
+        c = self.divergence_constant
+        scaled_sq_norm = patch_sq_norm(  # (|P|^2 + 1) / c
+            x, self.kernel_size, self.stride, padding, self.dilation, self.groups,
+            divisor=c, offset=_norm_offset(self.bias is not None, self.eps) / c)
+        return scaled_sq_norm.rsqrt_()
 
     @property
     def _pointwise(self) -> bool:
@@ -288,7 +313,9 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             conv_padding, norm_padding = 0, (0, 0, 0, 0)
         inv_s = self.inv_scale(x, norm_padding)
         weight, bias, post_bias = self._fused_params()
-        if self._pointwise and self.out_channels > self.in_channels + 1:
+        # in training a wider pointwise map is cheaper on its scaled input; in inference, where the
+        # output is scaled in place, the odd channel count of the augmented input costs more than it saves
+        if self._pointwise and self.out_channels > self.in_channels + 1 and torch.is_grad_enabled():
             x, weight = self._scaled_input(x, inv_s, weight, bias, 1)
             return F.conv2d(x, weight, post_bias)
         y = F.conv2d(x, weight, bias, self.stride, conv_padding, self.dilation, self.groups)
