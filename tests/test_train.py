@@ -19,7 +19,7 @@ from timm_affinediv.data import (
     resolve_dataset_data_config, set_loader_epoch,
 )
 from timm_affinediv.train import (
-    CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, Trainer, TrainingInterrupted,
+    CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, Trainer, TrainingInterrupted, evaluate,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -349,3 +349,21 @@ def test_torchrun_two_processes(tmp_path):
     single = trainer.evaluate()
     assert history[-1]['val_top1'] == pytest.approx(single['top1'])
     assert history[-1]['val_loss'] == pytest.approx(single['loss'], rel=1e-4)
+
+
+def test_evaluate_counts_every_sample_and_restores_the_mode():
+    """The one evaluation loop (Trainer and conversion): sample-weighted metrics over uneven batches."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 7).train()
+    x, target = torch.randn(10, 4), torch.randint(0, 7, (10,))
+    batches = [(x[:6], target[:6]), (x[6:], target[6:])]
+    metrics = evaluate(model, batches)
+    with torch.no_grad():
+        logits = model(x)
+    top5 = logits.topk(5, dim=1).indices
+    assert model.training
+    assert metrics['loss'] == pytest.approx(nn.functional.cross_entropy(logits, target).item(), rel=1e-6)
+    assert metrics['top1'] == pytest.approx(100 * (logits.argmax(1) == target).float().mean().item())
+    assert metrics['top5'] == pytest.approx(100 * (top5 == target[:, None]).any(1).float().mean().item())
+    with pytest.raises(ConfigError, match='empty'):
+        evaluate(model, [])

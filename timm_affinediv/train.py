@@ -23,7 +23,7 @@ import signal
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import timm
@@ -49,7 +49,7 @@ from .data import (
 __all__ = [
     'TrainConfig', 'Trainer', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError',
     'NonFiniteLossError', 'TrainingInterrupted', 'DistillationLoss', 'create_train_model', 'create_teacher',
-    'resolve_checkpoint', 'plot_history',
+    'resolve_checkpoint', 'plot_history', 'evaluate',
 ]
 
 _logger = logging.getLogger(__name__)
@@ -406,6 +406,47 @@ def plot_history(history: Sequence[Dict[str, float]], path: str) -> None:
     _atomic_write_bytes(path, buffer.getvalue())
 
 
+@torch.no_grad()
+def evaluate(
+        model: nn.Module,
+        loader: Iterable[Tuple[torch.Tensor, torch.Tensor]],
+        device: Optional[torch.device] = None,
+        autocast: Callable[[], ContextManager] = nullcontext,
+        distributed: bool = False,
+        progress: bool = False,
+) -> Dict[str, float]:
+    """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode.
+
+    `device`: where the batches go (default: the model's). `distributed`: sum over all ranks (every rank must call
+    it). The model's train/eval mode is restored afterwards.
+    """
+    device = device if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples
+    start = time.perf_counter()
+    for x, target in tqdm(loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True, disable=not progress):
+        x = x.to(device, non_blocking=True)
+        target = target.to(device, non_blocking=True)
+        with autocast():
+            output = model(x)
+        output = output.float()
+        acc1, acc5 = accuracy(output, target, topk=(1, min(5, output.shape[-1])))
+        n = target.shape[0]
+        sums += torch.stack([F.cross_entropy(output, target, reduction='sum').double(),
+                             acc1.double() * n / 100, acc5.double() * n / 100,
+                             torch.tensor(n, dtype=torch.float64, device=device)])
+    if distributed:
+        dist.all_reduce(sums)
+    elapsed = time.perf_counter() - start
+    model.train(was_training)
+    loss, correct1, correct5, samples = sums.tolist()
+    if samples == 0:
+        raise ConfigError('the evaluation set is empty; check --val-split / --val-subset.')
+    return dict(loss=loss / samples, top1=100 * correct1 / samples, top5=100 * correct5 / samples,
+                img_s=samples / elapsed)
+
+
 class Trainer:
     """Runs a `TrainConfig`: builds data, model, teacher, optimiser, scheduler, EMA; trains, evaluates, checkpoints.
 
@@ -634,37 +675,12 @@ class Trainer:
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]['lr']
 
-    @torch.no_grad()
     def evaluate(self, model: Optional[nn.Module] = None) -> Dict[str, float]:
         """Loss, top-1, top-5 (%) and images/s of `model` (default: the trained model) on the validation set,
         summed over all ranks."""
-        model = model if model is not None else self.model
-        was_training = model.training
-        model.eval()
-        topk = (1, min(5, self.num_classes))
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, correct@1, correct@5, samples
-        start = time.perf_counter()
-        for x, target in tqdm(self.val_loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True,
-                              disable=not (self.is_primary and self.cfg.progress)):
-            x = x.to(self.device, non_blocking=True)
-            target = target.to(self.device, non_blocking=True)
-            with self._autocast():
-                output = model(x)
-            output = output.float()
-            acc1, acc5 = accuracy(output, target, topk=topk)
-            n = target.shape[0]
-            sums += torch.stack([F.cross_entropy(output, target, reduction='sum').double(),
-                                 acc1.double() * n / 100, acc5.double() * n / 100,
-                                 torch.tensor(n, dtype=torch.float64, device=self.device)])
-        if self.distributed:
-            dist.all_reduce(sums)
-        elapsed = time.perf_counter() - start
-        model.train(was_training)
-        loss, correct1, correct5, samples = sums.tolist()
-        if samples == 0:
-            raise ConfigError('the validation set is empty; check --val-split / --val-subset.')
-        return dict(loss=loss / samples, top1=100 * correct1 / samples, top5=100 * correct5 / samples,
-                    img_s=samples / elapsed)
+        return evaluate(model if model is not None else self.model, self.val_loader, device=self.device,
+                        autocast=self._autocast, distributed=self.distributed,
+                        progress=self.is_primary and self.cfg.progress)
 
     def _end_epoch(self, epoch: int, train_metrics: Dict[str, float], epoch_start: float) -> Dict[str, float]:
         """Evaluate, record metrics, step the scheduler and write checkpoint + logs for a finished epoch."""

@@ -10,11 +10,11 @@ import timm
 import torch
 import torch.nn as nn
 from timm.models._input import get_model_args
-from timm.utils import accuracy
 
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from .hub import save_hub_folder
+from .train import evaluate
 
 __all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
 
@@ -50,19 +50,6 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, **kwargs: A
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader) -> Dict[str, float]:
-    """Top-1 and top-5 accuracy (%) of `model` on `loader`."""
-    model.eval()
-    correct1 = correct5 = total = 0.
-    for images, target in loader:
-        output = model(images)
-        top1, top5 = accuracy(output, target, topk=(1, min(5, output.shape[-1])))
-        correct1 += top1.item() * images.shape[0]
-        correct5 += top5.item() * images.shape[0]
-        total += images.shape[0]
-    return dict(top1=correct1 / total, top5=correct5 / total)
-
-
 def hub_dataset(dataset: str, data_dir: Optional[str]) -> str:
     """The Hub dataset id for the model card's metadata."""
     if is_fashion_mnist(dataset):
