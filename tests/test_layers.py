@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm_affinediv import (
-    AffineDivLinear, L2Norm, L2Norm2d, PatchNormConv2d, divergence_constant, update_factor)
+    AffineDivLinear, L2Norm, L2Norm2d, PatchNorm2d, PatchNormConv2d, divergence_constant, update_factor)
 
 
 
@@ -23,7 +23,12 @@ def float64():
 CONV_GEOMETRIES = [
     (3, 4, 3, 1, 1, 1, 1, 'zeros'),
     (4, 6, 3, 2, 1, 1, 2, 'zeros'),
-    (6, 6, 5, 1, 2, 1, 6, 'zeros'),            # depthwise
+    (6, 6, 5, 1, 2, 1, 6, 'zeros'),            # depthwise (its own autograd Function; "same": a self-adjoint box)
+    (3, 3, 3, 2, 1, 1, 3, 'zeros'),            # depthwise, strided, few channels (box filter by avg_pool2d)
+    (6, 6, 3, (2, 1), (1, 2), 1, 6, 'zeros'),  # depthwise, uneven stride and padding
+    (6, 6, 3, 1, 'same', 2, 6, 'zeros'),       # depthwise, dilated
+    (6, 6, 4, 1, 'same', 1, 6, 'zeros'),       # depthwise, even kernel: asymmetric "same" (plain autograd)
+    (5, 5, 3, 1, 1, 1, 5, 'reflect'),          # depthwise, padded beforehand
     (4, 8, 7, 2, 3, 1, 4, 'zeros'),            # depthwise, channel multiplier 2
     (5, 3, (3, 2), (2, 1), (0, 1), 1, 1, 'zeros'),
     (4, 4, 3, 1, 'same', 2, 1, 'zeros'),       # dilated, "same"
@@ -120,6 +125,42 @@ def test_patchnorm_update_factor_is_c(case):
         torch.testing.assert_close(factor, expected, rtol=1e-7, atol=0)
 
 
+def _with_slot(layer: nn.Module, channels: int) -> PatchNorm2d:
+    """Fuse a slot with a non-trivial gain and shift into `layer`, as binding does; returns the slot."""
+    slot = PatchNorm2d(channels)
+    nn.init.uniform_(slot.weight, 0.5, 1.5)
+    nn.init.normal_(slot.bias)
+    layer.fuse_post_affine(slot)
+    return slot
+
+
+@pytest.mark.parametrize('fused', [False, True], ids=['plain', 'fused_slot'])
+@pytest.mark.parametrize('channels_last', [False, True], ids=['nchw', 'channels_last'])
+@pytest.mark.parametrize('case', GRID[::2], ids=_geometry_id)
+def test_patchnorm_gradients_match_im2col_reference(case, channels_last, fused):
+    """Gradients for the input, the weight, the pre-division bias and a fused slot's affine, on every path
+    (the depthwise layer's own backward included), equal autograd through the im2col reference."""
+    conv = _conv(*case)
+    params = [conv.weight] + ([conv.bias] if conv.bias is not None else [])
+    slot = None
+    if fused:
+        slot = _with_slot(conv, conv.out_channels)
+        params += [slot.weight, slot.bias]
+    x = torch.randn(2, conv.in_channels, 9, 8)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    out = conv(x)
+    reference = _reference(conv, x)
+    if fused:
+        reference = reference * slot.weight.view(-1, 1, 1) + slot.bias.view(-1, 1, 1)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad((out * weights).sum(), [x] + params),
+                             torch.autograd.grad((reference * weights).sum(), [x] + params)):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+
+
 @pytest.mark.parametrize('case', GRID[::2], ids=_geometry_id)
 def test_plain_conv_update_factor_is_patch_norm(case):
     """The divergence is real: a plain conv with the same weights moves by |P_p|^2 + 1 (|P_p|^2)."""
@@ -160,6 +201,32 @@ def test_affine_div_linear(bias, scale, out_features):
         torch.testing.assert_close(factor, torch.full_like(factor, float(lin.divergence_constant)), rtol=1e-7, atol=0)
         plain_factor = update_factor(lambda: plain(x), [plain.weight, plain.bias], index)
         torch.testing.assert_close(plain_factor, (sq[index[:2]] + float(bias)).expand(out_features), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize('fused', [False, True], ids=['plain', 'fused_slot'])
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('out_features', [5, 12])
+def test_affine_div_linear_gradients(out_features, bias, fused):
+    """Gradients for the input, weight, bias and a fused slot's affine equal autograd through the formula."""
+    torch.manual_seed(0)
+    lin = AffineDivLinear(7, out_features, bias=bias)
+    params = [lin.weight] + ([lin.bias] if bias else [])
+    gain = shift = None
+    if fused:
+        slot = _with_slot(lin, out_features)
+        gain, shift = slot.weight, slot.bias
+        params += [gain, shift]
+    x = (torch.randn(3, 4, 7) * torch.rand(3, 4, 1) * 5).requires_grad_()
+    s = ((x.square().sum(-1, keepdim=True) + (1 if bias else lin.eps)) / lin.divergence_constant).sqrt()
+    reference = F.linear(x, lin.weight, lin.bias) / s
+    if fused:
+        reference = reference * gain + shift
+    out = lin(x)
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    for got, expected in zip(torch.autograd.grad((out * weights).sum(), [x] + params),
+                             torch.autograd.grad((reference * weights).sum(), [x] + params)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_pointwise_patchnorm_is_affine_div_linear():
@@ -203,6 +270,35 @@ def test_half_precision_does_not_overflow(dtype):
         assert out.dtype == dtype and torch.isfinite(out).all()
         torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
         layer.float()
+
+
+@pytest.mark.parametrize('precision', ['float16', 'bfloat16_autocast'])
+@pytest.mark.parametrize('layer', ['depthwise_same', 'depthwise_strided', 'wide_linear'])
+def test_half_precision_training(layer, precision):
+    """Backward in float16 and under bfloat16 autocast: finite, and the gradients of float32 within rounding."""
+    torch.manual_seed(0)
+    if layer == 'wide_linear':
+        module, shape = AffineDivLinear(16, 48), (6, 16)
+    else:
+        module, shape = PatchNormConv2d(8, 8, 5, stride=2 if layer == 'depthwise_strided' else 1, padding=2,
+                                        groups=8), (2, 8, 9, 9)
+    module.float()
+    x = (torch.randn(shape, dtype=torch.float32) * 200).requires_grad_()
+    params = list(module.parameters())
+    expected = torch.autograd.grad(module(x).square().mean(), [x] + params)
+    if precision == 'float16':
+        module.half()
+        inputs = [x.detach().half().requires_grad_()]
+        out = module(inputs[0])
+    else:
+        inputs = [x]
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            out = module(x)
+    assert out.dtype == (torch.float16 if precision == 'float16' else torch.bfloat16)
+    for got, want in zip(torch.autograd.grad(out.float().square().mean(), inputs + list(module.parameters())),
+                         expected):
+        assert torch.isfinite(got).all()
+        assert F.cosine_similarity(got.float().flatten(), want.flatten(), dim=0) > 0.99
 
 
 def test_bad_input_is_refused_clearly():

@@ -65,15 +65,24 @@ def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
         raise ValueError(f"{name} expects {channels} input channels, got shape {tuple(x.shape)}")
 
 
+def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`|x|^2` over `dim`, kept as a dimension of size 1, in float32 or wider."""
+    if x.stride(dim) == 1:
+        # over contiguous elements the norm kernel is fastest, and it does not materialise x^2
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=dtype).square()
+    # over strided elements (the channels of an NCHW tensor) vecdot's kernel is several times faster
+    x = at_least_float32(x)
+    return torch.linalg.vecdot(x, x, dim=dim).unsqueeze(dim)
+
+
 def channel_sq_norm(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """`|x|^2` over the channels of each group of an (N, C, H, W) tensor: (N, groups, H, W), float32 or wider."""
-    x = at_least_float32(x)
     if groups == x.shape[1]:
-        return x.square()
+        return at_least_float32(x).square()
     if groups == 1:
-        return torch.linalg.vecdot(x, x, dim=1).unsqueeze(1)
-    x = x.unflatten(1, (groups, -1))
-    return torch.linalg.vecdot(x, x, dim=2)
+        return sq_norm(x, 1)
+    return sq_norm(x.unflatten(1, (groups, -1)), 2).squeeze(2)
 
 
 # avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
@@ -133,6 +142,126 @@ def patch_sq_norm(
         return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset)
 
 
+def _inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
+    """`1 / s = ((|x|^2 + offset) / c)^(-1/2)`, in place on `sq`."""
+    return sq.add_(offset).div_(c).rsqrt_()
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`<a_m, b_m>` for every row of two (M, K) matrices, as (M, 1), without materialising `a * b`."""
+    return torch.matmul(a.unsqueeze(1), b.unsqueeze(2)).squeeze(2)
+
+
+def _in_autocast_dtype(device_type: str, *tensors: Optional[torch.Tensor]):
+    """ The tensors in autocast's dtype where autocast is on for `device_type`, else as they are.
+
+    The autograd Functions below run with autocast off, on inputs cast the way autocast casts
+    a convolution's or a GEMM's.
+    """
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
+
+
+class _WideAffineDivLinearFn(torch.autograd.Function):
+    """ `(x W^T + b) / s(x) (+ post_bias)` for a matrix `x` of rows, when the output is wider than the input.
+
+    The division goes on the narrower side: `x' = x / s`, `y = x' W^T + (1 / s) b^T`, a GEMM on `x'` and a
+    rank-one bias term (no `[x'; 1/s]` input, whose odd width slows every GEMM). With `g = dL/dy`:
+
+        dW = g^T x',   db = g^T (1/s),   dx = (g W - h x' / c) / s,   h = <g W, x'> + <g, b> / s
+
+    per row, the last two terms being the gradient through `s` (`d(1/s)/dx = -x / (c s^3)`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, post_bias, c: int, offset: float):
+        inv_s = _inverse_scale(sq_norm(x, -1), c, offset).to(x.dtype)
+        x = x * inv_s
+        if bias is None:
+            y = F.linear(x, weight, post_bias)
+        else:
+            y = inv_s * bias if post_bias is None else torch.addcmul(post_bias, inv_s, bias)
+            y.addmm_(x, weight.t())
+        ctx.save_for_backward(x, inv_s, weight, bias)
+        ctx.c, ctx.has_post_bias = c, post_bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, inv_s, weight, bias = ctx.saved_tensors
+        needs_x, needs_weight, needs_bias, needs_post_bias = ctx.needs_input_grad[:4]
+        grad_x = grad_weight = grad_bias = grad_post_bias = None
+        if needs_weight:
+            grad_weight = grad.t() @ x
+        if bias is not None and needs_bias:
+            grad_bias = grad.t() @ inv_s.squeeze(1)
+        if ctx.has_post_bias and needs_post_bias:
+            grad_post_bias = grad.sum(0)
+        if needs_x:
+            grad_x = grad @ weight
+            h = _rowdot(grad_x, x)
+            if bias is not None:
+                h.addcmul_(inv_s, grad @ bias.unsqueeze(1))
+            grad_x.addcmul_(x, h, value=-1. / ctx.c).mul_(inv_s)
+        return grad_x, grad_weight, grad_bias, grad_post_bias, None, None
+
+
+class _DepthwisePatchNormFn(torch.autograd.Function):
+    """ A depthwise PatchNormConv2d (one input channel per output channel, zero padding) with autograd.
+
+    `y = conv(x) r (+ post_bias)`, `r = (box(x^2) / c + offset / c)^(-1/2)` per channel and position
+    (`box` the kernel-window sum, with the convolution's geometry). With `g = dL/dy`:
+
+        dL/dconv(x) = g r,    dL/dx += -x box^T(g conv(x) r^3) / c
+
+    `box^T` being the box filter's adjoint. Autograd through the same ops would keep `x^2` and `r^3` and
+    allocate every product; this keeps `x`, `conv(x)` and `r`, and its backward makes five elementwise
+    passes besides the two convolutions.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, post_bias, c: int, offset: float, stride, padding, dilation):
+        channels, kernel_size = x.shape[1], weight.shape[2:]
+        box_padding = (padding[1], padding[1], padding[0], padding[0])
+        inv_s = patch_sq_norm(x, kernel_size, stride, box_padding, dilation, channels, c, offset / c).rsqrt_()
+        y = F.conv2d(x, weight, bias, stride, padding, dilation, channels)
+        inv_s_y = inv_s.to(y.dtype)
+        out = y * inv_s_y if post_bias is None else torch.addcmul(post_bias.view(-1, 1, 1), y, inv_s_y)
+        ctx.save_for_backward(x, weight, y, inv_s)
+        ctx.c, ctx.geometry, ctx.has_bias, ctx.has_post_bias = c, (stride, padding, dilation), \
+            bias is not None, post_bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, y, inv_s = ctx.saved_tensors
+        (stride, padding, dilation), channels = ctx.geometry, x.shape[1]
+        needs_x, needs_weight, needs_bias, needs_post_bias = ctx.needs_input_grad[:4]
+        grad_y = grad * inv_s.to(grad.dtype)
+        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+            grad_y, x, weight, [weight.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
+            False, (0, 0), channels, (needs_x, needs_weight, needs_bias and ctx.has_bias))
+        if needs_x:
+            # g conv(x) r^3 = (g r) conv(x) r^2, in grad_y's buffer (the convolution is done with it); the -1/c
+            # (the -1/2 of rsqrt times the 2 of x^2) rides in the kernel of the box filter's adjoint
+            dr = grad_y.mul_(y).to(inv_s.dtype).mul_(inv_s).mul_(inv_s)
+            kernel = dr.new_full((channels, 1) + tuple(weight.shape[2:]), -1. / ctx.c)
+            if stride == (1, 1) and all(2 * p == d * (k - 1) for p, d, k in zip(padding, dilation, kernel.shape[2:])):
+                # a "same" box filter is its own adjoint, and its forward is the cheaper kernel
+                box_adjoint = F.conv2d(dr, kernel, None, stride, padding, dilation, channels)
+            else:
+                # the adjoint is the box filter's input gradient; given x (not a stand-in of x's shape) it keeps
+                # x's memory format, which the accumulation into grad_x needs to be one fast pass
+                box_adjoint = torch.ops.aten.convolution_backward(
+                    dr, x.to(dr.dtype), kernel, None, stride, padding, dilation, False, (0, 0), channels,
+                    (True, False, False))[0]
+            grad_x.addcmul_(x, box_adjoint)
+        grad_post_bias = grad.sum((0, 2, 3)) if ctx.has_post_bias and needs_post_bias else None
+        return grad_x, grad_weight, grad_bias, grad_post_bias, None, None, None, None, None
+
+
 class _DivergenceCorrected:
     """ What AffineDivLinear and PatchNormConv2d share: the scaling, and a fused per-channel affine.
 
@@ -174,6 +303,15 @@ class _DivergenceCorrected:
         else:
             y = torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s, out=out)
         return y.flatten(channel_dim, channel_dim + 1) if grouped else y
+
+    def _wide_linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     post_bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """`(W x + b) / s(x) (+ post_bias)` for every row `x` of a matrix, divided on the input side."""
+        device_type = rows.device.type
+        rows, weight, bias, post_bias = _in_autocast_dtype(device_type, rows, weight, bias, post_bias)
+        with torch.autocast(device_type, enabled=False):
+            return _WideAffineDivLinearFn.apply(
+                rows, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps))
 
     def _scaled_input(self, x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor], channel_dim: int):
@@ -220,19 +358,17 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
 
     def inv_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / s(x)` in float32 (or float64), shape `x.shape[:-1] + (1,)`."""
+        offset = _norm_offset(self.bias is not None, self.eps)
         with torch.autocast(x.device.type, enabled=False):
-            x = at_least_float32(x)
-            sq_norm = torch.linalg.vecdot(x, x).unsqueeze(-1)
-            return sq_norm.add_(_norm_offset(self.bias is not None, self.eps)).div_(self.divergence_constant).rsqrt_()
+            return _inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, type(self).__name__)
-        inv_s = self.inv_scale(x)
         weight, bias, post_bias = self._fused_params()
         if self.out_features > self.in_features + 1:
-            x, weight = self._scaled_input(x, inv_s, weight, bias, -1)
-            return F.linear(x, weight, post_bias)
-        return self._scale_output(F.linear(x, weight, bias), inv_s, post_bias, -1)
+            y = self._wide_linear(x.reshape(-1, self.in_features), weight, bias, post_bias)
+            return y.view(x.shape[:-1] + (self.out_features,))
+        return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -300,6 +436,10 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         return scaled_sq_norm.rsqrt_()
 
     @property
+    def _depthwise(self) -> bool:
+        return self.groups == self.in_channels == self.out_channels
+
+    @property
     def _pointwise(self) -> bool:
         return self.kernel_size == (1, 1) and self.stride == (1, 1) and self.groups == 1 and \
             self.padding in ((0, 0), 'valid')
@@ -311,15 +451,28 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         else:
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             conv_padding, norm_padding = 0, (0, 0, 0, 0)
-        inv_s = self.inv_scale(x, norm_padding)
         weight, bias, post_bias = self._fused_params()
+        left, right, top, bottom = norm_padding
+        if self._depthwise and torch.is_grad_enabled() and (left, top) == (right, bottom):
+            x, weight, bias, post_bias = _in_autocast_dtype(x.device.type, x, weight, bias, post_bias)
+            with torch.autocast(x.device.type, enabled=False):
+                return _DepthwisePatchNormFn.apply(
+                    x, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps),
+                    self.stride, (top, left), self.dilation)
         # in training a wider pointwise map is cheaper on its scaled input; in inference, where the
         # output is scaled in place, the odd channel count of the augmented input costs more than it saves
         if self._pointwise and self.out_channels > self.in_channels + 1 and torch.is_grad_enabled():
-            x, weight = self._scaled_input(x, inv_s, weight, bias, 1)
+            if x.is_contiguous(memory_format=torch.channels_last):
+                # channels-last memory is a matrix of pixels: the wide linear map's, with no augmented input,
+                # and the output stays channels-last
+                n, _, h, w = x.shape
+                rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
+                y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
+                return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
+            x, weight = self._scaled_input(x, self.inv_scale(x, norm_padding), weight, bias, 1)
             return F.conv2d(x, weight, post_bias)
         y = F.conv2d(x, weight, bias, self.stride, conv_padding, self.dilation, self.groups)
-        return self._scale_output(y, inv_s, post_bias, 1, self.groups)
+        return self._scale_output(y, self.inv_scale(x, norm_padding), post_bias, 1, self.groups)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
