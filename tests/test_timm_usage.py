@@ -93,6 +93,39 @@ def test_half_precision(name, dtype):
     assert cos.min() > 0.98, cos
 
 
+@pytest.mark.parametrize('conv_mlp', [False, True])
+def test_convnext_runs_channels_last_from_the_stem_like_layernorm(conv_mlp):
+    """timm's LayerNorm2d returns channels-last memory, so a LayerNorm ConvNeXt runs channels-last from its
+    stem on; the patchnorm slots that stand in for it do the same (the blocks' permutes then copy nothing)."""
+    layouts = {}
+    for norm in ('layernorm', 'patchnorm'):
+        model = _create('convnext_atto', conv_mlp=conv_mlp) if norm == 'patchnorm' else timm.create_model(
+            'convnext_atto', num_classes=4, in_chans=1, conv_mlp=conv_mlp)
+        seen = layouts[norm] = []
+        for module in [model.stem] + [block.conv_dw for stage in model.stages for block in stage.blocks]:
+            module.register_forward_hook(
+                lambda m, args, out: seen.append(out.is_contiguous(memory_format=torch.channels_last)))
+        model(torch.randn(2, 1, 32, 32)).sum().backward()
+    assert layouts['patchnorm'] == layouts['layernorm'] and all(layouts['layernorm'])
+
+
+def test_torch_compile_training_step():
+    """torch.compile captures the layers' own autograd Functions: outputs and gradients equal eager mode."""
+    model = _create('convnext_atto')
+    x = torch.randn(2, 1, 32, 32)
+    grads = []
+    for forward in (model, torch.compile(model, backend='aot_eager')):
+        model.zero_grad()
+        out = forward(x)
+        out.logsumexp(1).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if forward is model:
+            expected = out.detach()
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(*grads[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_checkpoint_reload_through_timm(name, tmp_path):
     model = _create(name)
     with torch.no_grad():

@@ -28,7 +28,9 @@ NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, affinediv=Aff
                    affinedivnorm2d=AffineDivNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
 NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d, affinediv=AffineDivNormAct2d,
                        affinedivnorm2d=AffineDivNormAct2d)
-CONVNEXT_NORM_LAYERS = dict(patchnorm=(PatchNorm2d, PatchNorm), affinediv=(AffineDivNorm2d, AffineDivNorm),
+# ConvNeXt's (N, C, H, W) slots return channels-last memory, as its LayerNorm2d does
+CONVNEXT_NORM_LAYERS = dict(patchnorm=(functools.partial(PatchNorm2d, channels_last=True), PatchNorm),
+                            affinediv=(functools.partial(AffineDivNorm2d, channels_last=True), AffineDivNorm),
                             l2norm=(L2Norm2d, L2Norm))
 
 

@@ -95,8 +95,25 @@ class PatchNormSlot(nn.Module):
 
 @register_notrace_module
 class PatchNorm2d(PatchNormSlot):
-    """The `patchnorm` slot for (N, C, H, W) tensors (ResNet's `bn`, ConvNeXt's `conv_mlp` norms)."""
+    """ The `patchnorm` slot for (N, C, H, W) tensors (ResNet's `bn`, ConvNeXt's `conv_mlp` norms).
+
+    `channels_last=True`: the output is in channels-last memory, as that of timm's `LayerNorm2d` (a permute
+    around `layer_norm`) is. ConvNeXt's slots take it, so that the model runs channels-last from its stem
+    on, as with LayerNorm, and its blocks' permutes to (N, H, W, C) cost nothing.
+    """
     channel_dim = 1
+
+    def __init__(self, num_features: int, eps: float = 1e-6, scale: str = 'rms', channels_last: bool = False,
+                 device=None, dtype=None):
+        super().__init__(num_features, eps=eps, scale=scale, device=device, dtype=dtype)
+        self.channels_last = channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (', channels_last' if self.channels_last else '')
 
 
 @register_notrace_module
