@@ -86,7 +86,7 @@ def train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
 def _baseline(cfg: PipelineConfig, out: Path) -> nn.Module:
     if cfg.checkpoint:
         return load_trained_model(cfg.model, cfg.checkpoint, num_classes=10, in_chans=1, **cfg.model_kwargs)
-    _logger.info(f'training the BatchNorm baseline {cfg.model} from scratch ({cfg.baseline_epochs} epochs)')
+    _logger.info(f'training the baseline {cfg.model} (its own norm layers) from scratch, {cfg.baseline_epochs} epochs')
     result = Trainer(train_config(
         cfg, epochs=cfg.baseline_epochs, lr=cfg.lr, output=str(out / 'baseline-run'))).fit()
     publish_run(result, str(out / 'baseline'), overwrite=cfg.overwrite,
