@@ -1,7 +1,11 @@
 """Time BatchNorm/LayerNorm timm models against the same models with `norm_layer="patchnorm"`, side by side.
 
-Each pair is timed interleaved (A, B, A, B, ...) in one process, so both see the same machine
-state; the ratio of the medians is printed. Usage: `python scripts/bench_layers.py [--reps 5]`.
+Each pair runs in one process in paired rounds, the two going first in alternate rounds (ABBA), so both
+see the same machine state; a round's ratio compares the two steps timed next to each other. Printed per
+model and mode: the median seconds of each and the median of the per-round ratios, with the middle half
+(quartiles) of those ratios, which shows how much the shared machine moved them.
+
+    python scripts/bench_layers.py [--reps 15] [--models convnext_tiny] [--modes train]
 """
 import argparse
 import statistics
@@ -12,7 +16,8 @@ import torch
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
 
-MODELS = (('resnet50', 'batchnorm'), ('convnext_tiny', 'layernorm'))
+MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
+MODES = ('train', 'inference')
 
 
 def _train_step(model, optimizer, x, y):
@@ -36,42 +41,51 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def interleaved_medians(fns, reps: int, warmup: int = 1):
-    """Median seconds of each function, run alternately `reps` times after `warmup` rounds."""
-    times = [[] for _ in fns]
+def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
+    """Seconds of `reference` and `candidate` in each of `reps` rounds (after `warmup`), the first alternating."""
+    ref_times, cand_times = [], []
     for i in range(warmup + reps):
-        for fn, t in zip(fns, times):
-            elapsed = _timed(fn)
-            if i >= warmup:
-                t.append(elapsed)
-    return [statistics.median(t) for t in times]
+        if i % 2:
+            cand, ref = _timed(candidate), _timed(reference)
+        else:
+            ref, cand = _timed(reference), _timed(candidate)
+        if i >= warmup:
+            ref_times.append(ref)
+            cand_times.append(cand)
+    return ref_times, cand_times
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--reps', type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--reps', type=int, default=15, help='paired rounds per model and mode')
+    parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
+    parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--img-size', type=int, default=224)
     parser.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: all cores)')
     args = parser.parse_args()
+    if args.reps < 4:
+        parser.error(f'--reps {args.reps}: quartiles of the per-round ratios need at least 4 rounds')
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size)
     y = torch.randint(0, 1000, (args.batch_size,))
     print(f'torch {torch.__version__}, timm {timm.__version__}, {torch.get_num_threads()} threads, '
-          f'batch {args.batch_size}, {args.img_size}x{args.img_size}, median of {args.reps} interleaved runs')
-    print(f"| model | mode | {'reference norm':<14} | reference s | patchnorm s | ratio |")
-    print('|---|---|---|---:|---:|---:|')
-    for name, reference in MODELS:
+          f'batch {args.batch_size}, {args.img_size}x{args.img_size}, {args.reps} paired rounds (ABBA)')
+    print('| model | mode | reference norm | reference s | patchnorm s | ratio (median of rounds) | middle half |')
+    print('|---|---|---|---:|---:|---:|---:|')
+    for name in args.models:
         models = [timm.create_model(name), timm.create_model(name, norm_layer='patchnorm')]
-        for mode in ('train', 'inference'):
+        for mode in args.modes:
             if mode == 'train':
                 fns = [_train_step(m.train(), torch.optim.SGD(m.parameters(), lr=1e-3), x, y) for m in models]
             else:
                 fns = [_inference(m.eval(), x) for m in models]
-            ref, patch = interleaved_medians(fns, args.reps)
-            print(f'| {name} | {mode} | {reference:<14} | {ref:.3f} | {patch:.3f} | {patch / ref:.3f} |', flush=True)
+            ref, patch = paired_rounds(*fns, args.reps)
+            q1, ratio, q3 = statistics.quantiles([p / r for r, p in zip(ref, patch)], n=4)
+            print(f'| {name} | {mode} | {MODELS[name]} | {statistics.median(ref):.3f} | '
+                  f'{statistics.median(patch):.3f} | {ratio:.3f} | {q1:.3f} to {q3:.3f} |', flush=True)
 
 
 if __name__ == '__main__':
