@@ -155,16 +155,17 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.unsqueeze(1), b.unsqueeze(2)).squeeze(2)
 
 
-def _in_autocast_dtype(device_type: str, *tensors: Optional[torch.Tensor]):
-    """ The tensors in autocast's dtype where autocast is on for `device_type`, else as they are.
+def _apply_under_autocast(function, device_type: str, tensors: Tuple[Optional[torch.Tensor], ...], *args):
+    """ `function.apply(*tensors, *args)` for the autograd Functions below, which run with autocast off.
 
-    The autograd Functions below run with autocast off, on inputs cast the way autocast casts
-    a convolution's or a GEMM's.
+    Where autocast is on for `device_type`, the tensors are cast to its dtype first, as autocast casts a
+    convolution's or a GEMM's inputs.
     """
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        tensors = tuple(t if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
+    with torch.autocast(device_type, enabled=False):
+        return function.apply(*tensors, *args)
 
 
 class _WideAffineDivLinearFn(torch.autograd.Function):
@@ -310,11 +311,9 @@ class _DivergenceCorrected:
     def _wide_linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      post_bias: Optional[torch.Tensor]) -> torch.Tensor:
         """`(W x + b) / s(x) (+ post_bias)` for every row `x` of a matrix, divided on the input side."""
-        device_type = rows.device.type
-        rows, weight, bias, post_bias = _in_autocast_dtype(device_type, rows, weight, bias, post_bias)
-        with torch.autocast(device_type, enabled=False):
-            return _WideAffineDivLinearFn.apply(
-                rows, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps))
+        return _apply_under_autocast(
+            _WideAffineDivLinearFn, rows.device.type, (rows, weight, bias, post_bias),
+            self.divergence_constant, _norm_offset(bias is not None, self.eps))
 
     def _scaled_input(self, x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor,
                       bias: Optional[torch.Tensor], channel_dim: int):
@@ -457,11 +456,9 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         weight, bias, post_bias = self._fused_params()
         left, right, top, bottom = norm_padding
         if self._depthwise and torch.is_grad_enabled() and (left, top) == (right, bottom):
-            x, weight, bias, post_bias = _in_autocast_dtype(x.device.type, x, weight, bias, post_bias)
-            with torch.autocast(x.device.type, enabled=False):
-                return _DepthwisePatchNormFn.apply(
-                    x, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps),
-                    self.stride, (top, left), self.dilation)
+            return _apply_under_autocast(
+                _DepthwisePatchNormFn, x.device.type, (x, weight, bias, post_bias), self.divergence_constant,
+                _norm_offset(bias is not None, self.eps), self.stride, (top, left), self.dilation)
         # in training a wider pointwise map is cheaper on its scaled input; in inference, where the
         # output is scaled in place, the odd channel count of the augmented input costs more than it saves
         if self._pointwise and self.out_channels > self.in_channels + 1 and torch.is_grad_enabled():
