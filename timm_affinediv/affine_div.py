@@ -315,20 +315,6 @@ class _DivergenceCorrected:
             _WideAffineDivLinearFn, rows.device.type, (rows, weight, bias, post_bias),
             self.divergence_constant, _norm_offset(bias is not None, self.eps))
 
-    def _scaled_input(self, x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor], channel_dim: int):
-        """`(x * inv_s, weight)`, with `inv_s` appended as an input channel that the bias weights.
-
-        For a pointwise map `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the
-        output is cheaper when the output is wider.
-        """
-        inv_s = inv_s.to(x.dtype)
-        x = x * inv_s
-        if bias is None:
-            return x, weight
-        x = torch.cat([x, inv_s], dim=channel_dim)
-        return x, torch.cat([weight, bias.view((-1, 1) + (1,) * (weight.dim() - 2))], dim=1)
-
 
 @register_notrace_module  # a leaf for timm's FX feature extraction, like its own norm layers
 class AffineDivLinear(_DivergenceCorrected, nn.Linear):
@@ -437,6 +423,19 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             divisor=c, offset=_norm_offset(self.bias is not None, self.eps) / c)
         return scaled_sq_norm.rsqrt_()
 
+    @staticmethod
+    def _scaled_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        """`(x * inv_s, weight)` for an NCHW 1x1 map, with `inv_s` appended as an input channel the bias weights.
+
+        For a pointwise map `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the
+        output is cheaper when the output is wider.
+        """
+        inv_s = inv_s.to(x.dtype)
+        x = x * inv_s
+        if bias is None:
+            return x, weight
+        return torch.cat([x, inv_s], dim=1), torch.cat([weight, bias.view(-1, 1, 1, 1)], dim=1)
+
     @property
     def _depthwise(self) -> bool:
         return self.groups == self.in_channels == self.out_channels
@@ -469,7 +468,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
                 rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
                 y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
                 return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
-            x, weight = self._scaled_input(x, self.inv_scale(x, norm_padding), weight, bias, 1)
+            x, weight = self._scaled_input(x, self.inv_scale(x, norm_padding), weight, bias)
             return F.conv2d(x, weight, post_bias)
         y = F.conv2d(x, weight, bias, self.stride, conv_padding, self.dilation, self.groups)
         return self._scale_output(y, self.inv_scale(x, norm_padding), post_bias, 1, self.groups)
