@@ -9,12 +9,14 @@ model and mode: the median seconds of each and the median of the per-round ratio
 """
 import argparse
 import statistics
+import sys
 import time
 
 import timm
 import torch
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
+from timm_affinediv.cli import ArgumentParser, positive_int, run_main
 
 MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
 MODES = ('train', 'inference')
@@ -55,15 +57,15 @@ def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
     return ref_times, cand_times
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--reps', type=int, default=15, help='paired rounds per model and mode')
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--reps', type=positive_int, default=15, help='paired rounds per model and mode')
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
-    parser.add_argument('--batch-size', type=int, default=8)
-    parser.add_argument('--img-size', type=int, default=224)
-    parser.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: all cores)')
-    args = parser.parse_args()
+    parser.add_argument('--batch-size', type=positive_int, default=8)
+    parser.add_argument('--img-size', type=positive_int, default=224)
+    parser.add_argument('--threads', type=positive_int, default=None, help='torch intra-op threads (default: all cores)')
+    args = parser.parse_args(argv)
     if args.reps < 4:
         parser.error(f'--reps {args.reps}: quartiles of the per-round ratios need at least 4 rounds')
     if args.threads:
@@ -86,7 +88,8 @@ def main():
             q1, ratio, q3 = statistics.quantiles([p / r for r, p in zip(ref, patch)], n=4)
             print(f'| {name} | {mode} | {MODELS[name]} | {statistics.median(ref):.3f} | '
                   f'{statistics.median(patch):.3f} | {ratio:.3f} | {q1:.3f} to {q3:.3f} |', flush=True)
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main))

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from timm_affinediv.cli import ArgumentParser, positive_int, run_main, timm_model_name  # noqa: E402
 from timm_affinediv.train import TrainConfig, Trainer  # noqa: E402
 
 
@@ -54,20 +55,31 @@ class _FixedBatches:
         return iter(self.batches)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--model', default='resnet18')
-    p.add_argument('--model-kwargs', default='{}', help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
-    p.add_argument('-b', '--batch-size', type=int, default=64)
-    p.add_argument('--steps', type=int, default=20, help='batches per round')
-    p.add_argument('--rounds', type=int, default=6)
-    p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
+def python_dict(text: str) -> dict:
+    """A Python dict literal, e.g. "{'drop_rate': 0.1}"."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'{text!r} is not a Python dict literal, e.g. "{{\'drop_rate\': 0.1}}"')
+    return value
+
+
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--model', default='resnet18', type=timm_model_name)
+    p.add_argument('--model-kwargs', default={}, type=python_dict, help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
+    p.add_argument('-b', '--batch-size', type=positive_int, default=64)
+    p.add_argument('--steps', type=positive_int, default=20, help='batches per round')
+    p.add_argument('--rounds', type=positive_int, default=6)
+    p.add_argument('--device', choices=('cpu', 'cuda'), default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--no-progress', action='store_true', help='measure the Trainer without its progress bar')
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     cfg = TrainConfig(
-        model=args.model, model_kwargs=ast.literal_eval(args.model_kwargs), num_classes=10, batch_size=args.batch_size,
+        model=args.model, model_kwargs=args.model_kwargs, num_classes=10, batch_size=args.batch_size,
         train_subset=args.batch_size * args.steps, val_subset=args.batch_size, workers=0, epochs=10 ** 6,
         smoothing=0., sched='none', progress=not args.no_progress, log_interval=50, amp=args.amp, device=args.device,
         output='runs/bench_train')
@@ -106,7 +118,8 @@ def main() -> None:
         b, o = stat(bare), stat(ours)
         print(f'{name:6s}: bare {b:8.1f} img/s, Trainer {o:8.1f} img/s, ratio {o / b:.3f} '
               f'(overhead {100 * (1 - o / b):.1f}%)')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main))

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
+from timm_affinediv.cli import (
+    ArgumentParser, existing_dir, existing_file, model_name, non_negative_int, positive_int, refuse_existing_output,
+    run_main)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
 from timm.utils import ParseKwargs
@@ -20,24 +23,31 @@ from timm.utils import ParseKwargs
 from timm_affinediv.workflow import convert_to_folder, load_trained_model
 
 
+def calibration_data(text: str) -> str:
+    """'fashion-mnist' or an existing image folder."""
+    return text if text == 'fashion-mnist' else existing_dir(text)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', required=True, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
-    parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
-    parser.add_argument('--num-classes', type=int, help='classes of the checkpoint (timm model name only)')
-    parser.add_argument('--in-chans', type=int, help='input channels of the checkpoint (timm model name only)')
+    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
+    parser.add_argument('--checkpoint', type=existing_file, help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
+    parser.add_argument('--num-classes', type=positive_int, help='classes of the checkpoint (timm model name only)')
+    parser.add_argument('--in-chans', type=positive_int, help='input channels of the checkpoint (timm model name only)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='more timm.create_model arguments')
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
-    parser.add_argument('--calib-data', default='fashion-mnist',
+    parser.add_argument('--calib-data', default='fashion-mnist', type=calibration_data,
                         help="'fashion-mnist' (built in) or a folder of class sub-folders (<dir>/train/<class>/*)")
-    parser.add_argument('--data-dir', help='Fashion-MNIST folder, when not the Debian default')
-    parser.add_argument('--calib-batches', type=int, default=32, help='0: the analytic map only')
-    parser.add_argument('-b', '--batch-size', type=int, default=64)
-    parser.add_argument('--eval-images', type=int, help='validation images for the top-1 figures (default: all)')
+    parser.add_argument('--data-dir', type=existing_dir, help='Fashion-MNIST folder, when not the Debian default')
+    parser.add_argument('--calib-batches', type=non_negative_int, default=32, help='0: the analytic map only')
+    parser.add_argument('-b', '--batch-size', type=positive_int, default=64)
+    parser.add_argument('--eval-images', type=positive_int, help='validation images for the top-1 figures (default: all)')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     args = parser.parse_args(argv)
+    if not args.overwrite:
+        refuse_existing_output(args.output)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
 
     dataset, data_dir = args.calib_data, args.data_dir
@@ -66,4 +76,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

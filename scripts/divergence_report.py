@@ -19,7 +19,13 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm', 'l2norm', 'l2norm2d'
+from timm_affinediv.cli import (
+    ArgumentParser, existing_dir, existing_file, norm_name, positive_int, refuse_existing_output, run_main,
+    timm_model_name)
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
+
+
+REPORT_FILES = ('report.md', 'report.json', 'layers')
 
 
 def load_batch(data: str, batch_size: int, seed: int, data_root: str | None) -> torch.Tensor:
@@ -31,20 +37,23 @@ def load_batch(data: str, batch_size: int, seed: int, data_root: str | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--model', required=True, help='timm model name, e.g. resnet18')
-    parser.add_argument('--norm', help="norm_layer for timm.create_model, e.g. batchnorm, patchnorm (default: the model's)")
-    parser.add_argument('--checkpoint', help='weights to load (timm checkpoint_path); default: random init')
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--model', required=True, type=timm_model_name, help='timm model name, e.g. resnet18')
+    parser.add_argument('--norm', type=norm_name, help="norm_layer for timm.create_model, e.g. batchnorm, patchnorm (default: the model's)")
+    parser.add_argument('--checkpoint', type=existing_file, help='weights to load (timm checkpoint_path); default: random init')
     parser.add_argument('--data', choices=('fashion-mnist', 'random'), default='fashion-mnist')
-    parser.add_argument('--data-root', help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
-    parser.add_argument('--batch-size', type=int, default=64, help='images in the batch (default 64)')
-    parser.add_argument('--samples', type=int, default=8, help='images measured per layer (default 8)')
-    parser.add_argument('--positions', type=int, default=8, help='output positions measured per image (default 8)')
-    parser.add_argument('--num-classes', type=int, default=10)
+    parser.add_argument('--data-root', type=existing_dir, help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
+    parser.add_argument('--batch-size', type=positive_int, default=64, help='images in the batch (default 64)')
+    parser.add_argument('--samples', type=positive_int, default=8, help='images measured per layer (default 8)')
+    parser.add_argument('--positions', type=positive_int, default=8, help='output positions measured per image (default 8)')
+    parser.add_argument('--num-classes', type=positive_int, default=10)
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--threads', type=int, default=1, help='torch CPU threads (default 1)')
+    parser.add_argument('--threads', type=positive_int, default=1, help='torch CPU threads (default 1)')
     parser.add_argument('--output', help='folder for report.md, report.json and the PNGs')
+    parser.add_argument('--overwrite', action='store_true', help='replace the report already in --output')
     args = parser.parse_args(argv)
+    if args.output and not args.overwrite:
+        refuse_existing_output(args.output, names=REPORT_FILES)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -68,4 +77,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

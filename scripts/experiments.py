@@ -12,22 +12,27 @@ import sys
 
 import torch
 
+from timm_affinediv.cli import ArgumentParser, existing_dir, positive_int, refuse_existing_output, run_main
 from timm_affinediv.experiments import EXPERIMENTS, run_experiment
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--only', choices=EXPERIMENTS, action='append',
                         help='run this experiment (repeatable; default: all of ' + ', '.join(EXPERIMENTS) + ')')
     parser.add_argument('--quick', action='store_true', help='tiny budget (seconds), for tests and smoke runs')
     parser.add_argument('--seed', type=int, default=0, help='first seed; the lr is tuned with it (default 0)')
     parser.add_argument('--output', required=True, help='folder for the tables, plots and run records')
-    parser.add_argument('--data-root', help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
-    parser.add_argument('--threads', type=int, default=1, help='torch CPU threads (default 1)')
+    parser.add_argument('--data-root', type=existing_dir, help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
+    parser.add_argument('--threads', type=positive_int, default=1, help='torch CPU threads (default 1)')
+    parser.add_argument('--overwrite', action='store_true', help="replace the experiments' earlier results in --output")
     args = parser.parse_args(argv)
+    experiments = args.only or EXPERIMENTS
+    if not args.overwrite:
+        refuse_existing_output(args.output, names=[f'{e}.{ext}' for e in experiments for ext in ('json', 'md', 'png')])
 
     torch.set_num_threads(args.threads)
-    for experiment in args.only or EXPERIMENTS:
+    for experiment in experiments:
         run_experiment(experiment, args.output, seed=args.seed, quick=args.quick,
                        data_root=args.data_root, log=lambda line: print(line, flush=True))
         print(f'wrote {args.output}/{experiment}.{{json,md,png}}', flush=True)
@@ -35,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -14,13 +14,18 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 import torch
+from timm.optim import list_optimizers
 from timm.utils import ParseKwargs, setup_default_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from timm_affinediv.cli import (  # noqa: E402
+    ArgumentParser, existing_dir, existing_path, non_negative_float, non_negative_int, norm_name, positive_float,
+    positive_int, refuse_existing_output, run_main, timm_model_name, unit_interval)
 from timm_affinediv.data import DataError  # noqa: E402
 from timm_affinediv.pipeline import final_top1, publish_run  # noqa: E402
 from timm_affinediv.train import (  # noqa: E402
@@ -30,79 +35,89 @@ _logger = logging.getLogger('finetune')
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line; each flag's `dest` is a `TrainConfig` field."""
+    """The command line; each flag's `dest` is a `TrainConfig` field, but `--overwrite`."""
     d = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group('model')
-    g.add_argument('--model', default=d.model, help=f'timm model name (default: {d.model})')
+    g.add_argument('--model', default=d.model, type=timm_model_name, help=f'timm model name (default: {d.model})')
     g.add_argument('--pretrained', action='store_true', help='start from timm pretrained weights')
-    g.add_argument('--initial-checkpoint', '--checkpoint', dest='initial_checkpoint', metavar='PATH',
+    g.add_argument('--initial-checkpoint', '--checkpoint', dest='initial_checkpoint', metavar='PATH', type=existing_path,
                    help='weights to start from (.safetensors / .pth, or a Hub-format folder)')
     g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                    help='extra timm.create_model arguments, e.g. drop_rate=0.1')
-    g.add_argument('--norm-layer', help="norm layer passed to timm.create_model (e.g. 'patchnorm')")
-    g.add_argument('--num-classes', type=int,
+    g.add_argument('--norm-layer', type=norm_name, help="norm layer passed to timm.create_model (e.g. 'patchnorm')")
+    g.add_argument('--num-classes', type=positive_int,
                    help="classes of the head; a head that does not match is replaced by a new one")
-    g.add_argument('--in-chans', type=int, help='image channels for image folders (Fashion-MNIST: 1)')
+    g.add_argument('--in-chans', type=positive_int, help='image channels for image folders (Fashion-MNIST: 1)')
     g = p.add_argument_group('data')
     g.add_argument('--dataset', default=d.dataset, help="'fashion-mnist' (built in), or '' for an image folder")
-    g.add_argument('--data-dir', help='data folder (default for Fashion-MNIST: /usr/share/datasets/fashion-mnist)')
+    g.add_argument('--data-dir', type=existing_dir, help='data folder (default for Fashion-MNIST: /usr/share/datasets/fashion-mnist)')
     g.add_argument('--train-split', default=d.train_split)
     g.add_argument('--val-split', default=d.val_split)
-    g.add_argument('--img-size', type=int, help='input size (default: 32 for Fashion-MNIST, else the model\'s)')
-    g.add_argument('--train-subset', type=int, help='train on a fixed random subset of N images')
-    g.add_argument('--val-subset', type=int, help='evaluate on a fixed random subset of N images')
-    g.add_argument('-b', '--batch-size', type=int, default=d.batch_size, help='batch size per process')
-    g.add_argument('-vb', '--validation-batch-size', type=int)
-    g.add_argument('-j', '--workers', type=int, default=d.workers, help='data loading processes per process')
+    g.add_argument('--img-size', type=positive_int, help='input size (default: 32 for Fashion-MNIST, else the model\'s)')
+    g.add_argument('--train-subset', type=positive_int, help='train on a fixed random subset of N images')
+    g.add_argument('--val-subset', type=positive_int, help='evaluate on a fixed random subset of N images')
+    g.add_argument('-b', '--batch-size', type=positive_int, default=d.batch_size, help='batch size per process')
+    g.add_argument('-vb', '--validation-batch-size', type=positive_int)
+    g.add_argument('-j', '--workers', type=non_negative_int, default=d.workers, help='data loading processes per process')
     g.add_argument('--no-aug', action='store_true', help='no training augmentation')
-    g.add_argument('--scale', type=float, nargs=2, default=d.scale, metavar=('MIN', 'MAX'),
+    g.add_argument('--scale', type=unit_interval, nargs=2, default=d.scale, metavar=('MIN', 'MAX'),
                    help='random resized crop area range')
-    g.add_argument('--hflip', type=float, default=d.hflip)
-    g.add_argument('--color-jitter', type=float, default=d.color_jitter)
+    g.add_argument('--hflip', type=unit_interval, default=d.hflip)
+    g.add_argument('--color-jitter', type=non_negative_float, default=d.color_jitter)
     g = p.add_argument_group('optimisation')
-    g.add_argument('--epochs', type=int, default=d.epochs)
-    g.add_argument('--opt', default=d.opt, help='timm optimizer name')
-    g.add_argument('--lr', type=float, default=d.lr)
-    g.add_argument('--momentum', type=float, default=d.momentum)
-    g.add_argument('--weight-decay', type=float, default=d.weight_decay)
+    g.add_argument('--epochs', type=positive_int, default=d.epochs)
+    g.add_argument('--opt', default=d.opt, choices=list_optimizers(), metavar='OPT',
+                   help='timm optimizer name (timm.optim.list_optimizers())')
+    g.add_argument('--lr', type=positive_float, default=d.lr)
+    g.add_argument('--momentum', type=non_negative_float, default=d.momentum)
+    g.add_argument('--weight-decay', type=non_negative_float, default=d.weight_decay)
     g.add_argument('--sched', default=d.sched, help="timm scheduler name, or 'none'")
     g.add_argument('--sched-on-epochs', dest='sched_on_updates', action='store_false',
                    help='step the schedule once per epoch instead of each update')
-    g.add_argument('--warmup-epochs', type=int, default=d.warmup_epochs)
-    g.add_argument('--warmup-lr', type=float, default=d.warmup_lr)
-    g.add_argument('--min-lr', type=float, default=d.min_lr)
-    g.add_argument('--smoothing', type=float, default=d.smoothing, help='label smoothing')
+    g.add_argument('--warmup-epochs', type=non_negative_int, default=d.warmup_epochs)
+    g.add_argument('--warmup-lr', type=non_negative_float, default=d.warmup_lr)
+    g.add_argument('--min-lr', type=non_negative_float, default=d.min_lr)
+    g.add_argument('--smoothing', type=unit_interval, default=d.smoothing, help='label smoothing')
     g.add_argument('--amp', action='store_true', help='mixed precision (bfloat16 on CPU, float16 on CUDA)')
     g.add_argument('--amp-dtype', choices=('bfloat16', 'float16'))
-    g.add_argument('--grad-accum-steps', type=int, default=d.grad_accum_steps)
-    g.add_argument('--clip-grad', type=float, help='gradient clipping value')
+    g.add_argument('--grad-accum-steps', type=positive_int, default=d.grad_accum_steps)
+    g.add_argument('--clip-grad', type=positive_float, help='gradient clipping value')
     g.add_argument('--clip-mode', default=d.clip_mode, choices=('norm', 'value', 'agc'))
     g.add_argument('--model-ema', action='store_true', help='keep (and publish) EMA weights')
-    g.add_argument('--model-ema-decay', type=float, default=d.model_ema_decay)
+    g.add_argument('--model-ema-decay', type=unit_interval, default=d.model_ema_decay)
     g.add_argument('--model-ema-warmup', action='store_true')
     g = p.add_argument_group('distillation')
-    g.add_argument('--teacher', help='timm model name of the teacher (e.g. the unconverted model)')
-    g.add_argument('--teacher-checkpoint', metavar='PATH', help='teacher weights (file or Hub-format folder)')
+    g.add_argument('--teacher', type=timm_model_name, help='timm model name of the teacher (e.g. the unconverted model)')
+    g.add_argument('--teacher-checkpoint', metavar='PATH', type=existing_path, help='teacher weights (file or Hub-format folder)')
     g.add_argument('--teacher-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE')
-    g.add_argument('--distill-weight', type=float, default=d.distill_weight, help='weight of the KD loss, 0..1')
-    g.add_argument('--distill-temperature', type=float, default=d.distill_temperature)
+    g.add_argument('--distill-weight', type=unit_interval, default=d.distill_weight, help='weight of the KD loss, 0..1')
+    g.add_argument('--distill-temperature', type=positive_float, default=d.distill_temperature)
     g = p.add_argument_group('run')
     g.add_argument('--seed', type=int, default=d.seed)
     g.add_argument('--device', help="'cpu' or 'cuda' (default: cuda if available)")
     g.add_argument('--output', default=d.output, help='output folder (checkpoints, logs, model.safetensors)')
-    g.add_argument('--resume', metavar='PATH', help='continue from a run folder or checkpoint folder')
-    g.add_argument('--checkpoint-hist', type=int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
-    g.add_argument('--log-interval', type=int, default=d.log_interval, help='updates between loss checks')
+    g.add_argument('--overwrite', action='store_true',
+                   help='write into an --output that holds an earlier run (its files of the same names are replaced)')
+    g.add_argument('--resume', metavar='PATH', type=existing_path, help='continue from a run folder or checkpoint folder')
+    g.add_argument('--checkpoint-hist', type=positive_int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
+    g.add_argument('--log-interval', type=positive_int, default=d.log_interval, help='updates between loss checks')
     g.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bars')
     return p
+
+
+def _resumes_into(resume: Optional[str], output: str) -> bool:
+    """Whether `--resume` continues the run in `output` (its folder or one of its checkpoints)."""
+    return bool(resume) and Path(output).resolve() in (Path(resume).resolve(), *Path(resume).resolve().parents)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line; return the exit status (0 done, 1 failed, 2 bad input, 130 interrupted)."""
     setup_default_logging(default_level=logging.INFO if os.environ.get('RANK', '0') == '0' else logging.WARNING)
-    args = build_parser().parse_args(argv)
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if v is not None})
+    args = vars(build_parser().parse_args(argv))
+    if not args.pop('overwrite') and not _resumes_into(args['resume'], args['output']):
+        refuse_existing_output(args['output'], flag='--overwrite, or --resume to continue that run,')
+    cfg = TrainConfig(**{k: v for k, v in args.items() if v is not None})
     if cfg.scale is not None:
         cfg.scale = tuple(cfg.scale)
     try:
@@ -127,4 +142,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -8,13 +8,22 @@ import sys
 from pathlib import Path
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv.cli import ArgumentParser, existing_dir, positive_int, refuse_existing_output, run_main
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
 from timm_affinediv.train import Trainer
 from timm_affinediv.workflow import evaluate, load_trained_model
 
 
-def main(run: str, epochs: int = 2) -> None:
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('run', nargs='?', default='runs/demo', type=existing_dir, help='the pipeline run (runs/demo)')
+    parser.add_argument('--epochs', type=positive_int, default=2, help='epochs of fine-tuning (default 2)')
+    parser.add_argument('--overwrite', action='store_true', help='replace the results of an earlier measurement')
+    args = parser.parse_args(argv)
+    run, epochs = args.run, args.epochs
+    if not args.overwrite:
+        refuse_existing_output(Path(run) / 'measure')
     cfg = PipelineConfig(output=run, val_subset=None)
     baseline = load_trained_model(f'local-dir:{Path(run) / "baseline"}')
     data_config = resolve_dataset_data_config('fashion-mnist', baseline, in_chans=1)
@@ -35,7 +44,8 @@ def main(run: str, epochs: int = 2) -> None:
     print('|---|---:|')
     for name, top1 in rows:
         print(f'| {name} | {top1:.2f} |')
+    return 0
 
 
 if __name__ == '__main__':
-    main(sys.argv[1] if len(sys.argv) > 1 else 'runs/demo')
+    sys.exit(run_main(main))

@@ -7,7 +7,6 @@
 Writes <output>/baseline (when trained here), <output>/converted, <output>/model (the fine-tuned, publishable
 folder: push it with scripts/push_to_hub.py) and the runs' logs and checkpoints.
 """
-import argparse
 import json
 import logging
 import sys
@@ -15,40 +14,37 @@ import sys
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
-from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
-from timm_affinediv.data import DataError
+from timm_affinediv.cli import (
+    ArgumentParser, existing_file, non_negative_int, positive_float, positive_int, run_main, timm_model_name,
+    unit_interval)
+from timm_affinediv.convert import CONVERSION_NORMS
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
-from timm_affinediv.train import TrainingError
 
 
 def main(argv=None) -> int:
     defaults = PipelineConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--output', default=defaults.output)
-    parser.add_argument('--model', default=defaults.model)
+    parser.add_argument('--model', default=defaults.model, type=timm_model_name)
     parser.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, metavar='KEY=VALUE',
                         help=f'timm.create_model arguments (default: {defaults.model_kwargs} for the default model)')
-    parser.add_argument('--checkpoint', help='trained BatchNorm weights; without it a baseline is trained here')
+    parser.add_argument('--checkpoint', type=existing_file, help='trained BatchNorm weights; without it a baseline is trained here')
     parser.add_argument('--norm', default=defaults.norm, choices=CONVERSION_NORMS)
-    for name in ('train_subset', 'val_subset', 'baseline_epochs', 'finetune_epochs', 'batch_size', 'calib_batches',
-                 'workers', 'seed'):
-        parser.add_argument('--' + name.replace('_', '-'), type=int, default=getattr(defaults, name))
-    for name in ('lr', 'finetune_lr', 'distill_weight', 'distill_temperature'):
-        parser.add_argument('--' + name.replace('_', '-'), type=float, default=getattr(defaults, name))
+    for name, kind in (('train_subset', positive_int), ('val_subset', positive_int), ('baseline_epochs', positive_int),
+                       ('finetune_epochs', positive_int), ('batch_size', positive_int), ('calib_batches', non_negative_int),
+                       ('workers', non_negative_int), ('seed', int), ('lr', positive_float), ('finetune_lr', positive_float),
+                       ('distill_weight', unit_interval), ('distill_temperature', positive_float)):
+        parser.add_argument('--' + name.replace('_', '-'), type=kind, default=getattr(defaults, name))
     parser.add_argument('--overwrite', action='store_true', help='replace the output folders of an earlier run')
     args = vars(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     if args['model_kwargs'] is None:  # the narrow default belongs to the default model only
         args['model_kwargs'] = defaults.model_kwargs if args['model'] == defaults.model else {}
-    try:
-        summary = run_pipeline(PipelineConfig(**args))
-    except (ConversionError, DataError, TrainingError, FileExistsError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
+    summary = run_pipeline(PipelineConfig(**args))
     print(json.dumps(summary, indent=2))
     print(f"publish-ready folder: {args['output']}/model  (scripts/push_to_hub.py {args['output']}/model --repo-id ORG/NAME)")
     return 0
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

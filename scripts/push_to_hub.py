@@ -9,12 +9,13 @@ printed. HF_ENDPOINT selects another Hub endpoint.
 import argparse
 import sys
 
-from timm_affinediv.hub import HubError, push_to_hub
+from timm_affinediv.cli import ArgumentParser, existing_dir, run_main
+from timm_affinediv.hub import push_to_hub
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('folder', help='Hub folder: model.safetensors, config.json, README.md')
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('folder', type=existing_dir, help='Hub folder: model.safetensors, config.json, README.md')
     parser.add_argument('--repo-id', required=True, help="target repo, 'org/name'")
     parser.add_argument('--private', action='store_true', help='create the repo private')
     parser.add_argument('--revision', help='branch to push to (created from main if missing; default main)')
@@ -24,20 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--dry-run', action='store_true', help='show what would be uploaded where, upload nothing')
     args = parser.parse_args(argv)
 
-    try:
-        result = push_to_hub(
-            args.folder,
-            args.repo_id,
-            private=args.private,
-            revision=args.revision,
-            create_pr=args.create_pr,
-            commit_message=args.commit_message,
-            token=args.token,
-            dry_run=args.dry_run,
-        )
-    except HubError as e:
-        print(f'push_to_hub: error: {e}', file=sys.stderr)
-        return 1
+    result = push_to_hub(
+        args.folder,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        create_pr=args.create_pr,
+        commit_message=args.commit_message,
+        token=args.token,
+        dry_run=args.dry_run,
+    )
     if args.dry_run:
         print(f'dry run, nothing uploaded:\n{result.describe()}')
     else:
@@ -46,4 +43,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -16,6 +16,7 @@ from huggingface_hub import ModelCard, constants
 from torch import nn
 
 from hub_server import HubServer
+from timm_affinediv.cli import run_main
 from timm_affinediv.hub import HubError, push_to_hub, render_model_card, save_hub_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,7 +264,7 @@ def _cli():
     spec = importlib.util.spec_from_file_location('push_to_hub_cli', ROOT / 'scripts' / 'push_to_hub.py')
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return lambda argv: run_main(module.main, argv)
 
 
 def test_cli_dry_run_lists_files_and_target_and_uploads_nothing(hub, folder, capsys):
@@ -277,9 +278,21 @@ def test_cli_dry_run_lists_files_and_target_and_uploads_nothing(hub, folder, cap
     assert hub.requests == []
 
 
-def _pickle_only(folder: Path, tmp: Path) -> Path:
-    (tmp / 'config.json').write_bytes((folder / 'config.json').read_bytes())
+def _with_pickle(folder: Path, tmp: Path) -> Path:
+    for path in folder.iterdir():
+        (tmp / path.name).write_bytes(path.read_bytes())
     torch.save({'w': torch.zeros(1)}, tmp / 'pytorch_model.bin')
+    return tmp
+
+
+def _run_folder(folder: Path, tmp: Path) -> Path:
+    """A training run's folder: weights, a pickled checkpoint, and the Hub folder in model/."""
+    (tmp / 'model').mkdir()
+    for path in folder.iterdir():
+        (tmp / 'model' / path.name).write_bytes(path.read_bytes())
+    (tmp / 'model.safetensors').write_bytes((folder / 'model.safetensors').read_bytes())
+    (tmp / 'checkpoints' / 'epoch-0000').mkdir(parents=True)
+    torch.save({'epoch': 0}, tmp / 'checkpoints' / 'epoch-0000' / 'train_state.pt')
     return tmp
 
 
@@ -298,7 +311,8 @@ def _corrupt_weights(folder: Path, tmp: Path) -> Path:
 @pytest.mark.parametrize('make_folder, repo_id, wrong, to_do', [
     (_without_weights, REPO_ID, 'missing model.safetensors', 'Write one with timm_affinediv.hub.save_hub_folder'),
     (_corrupt_weights, REPO_ID, 'model.safetensors is not a readable safetensors file', 'save_hub_folder'),
-    (_pickle_only, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
+    (_with_pickle, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
+    (_run_folder, REPO_ID, 'is not a Hub model folder: missing config.json, README.md', 'Push its Hub folder'),
     (lambda folder, tmp: folder, 'test-org/bad--name', "invalid repo id 'test-org/bad--name'", "Use 'org/name'"),
     (lambda folder, tmp: folder, 'a/b/c', "invalid repo id 'a/b/c'", "Use 'org/name'"),
 ])
@@ -311,7 +325,7 @@ def test_bad_input_is_refused_before_any_request(hub, folder, tmp_path, make_fol
 
 def test_missing_token_is_a_clear_error_and_uploads_nothing(hub, folder, monkeypatch, capsys):
     monkeypatch.delenv('HF_TOKEN')
-    assert _cli()([str(folder), '--repo-id', REPO_ID]) == 1
+    assert _cli()([str(folder), '--repo-id', REPO_ID]) == 2
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'requires a Hub token and none was found' in err and 'HF_TOKEN' in err
     assert hub.repos == {}
@@ -331,8 +345,8 @@ def test_cli_unreachable_endpoint_is_one_clear_line(folder, tmp_path, monkeypatc
     monkeypatch.setenv('HF_ENDPOINT', endpoint)
     monkeypatch.setenv('HF_TOKEN', TOKEN)
     result = _python(str(ROOT / 'scripts' / 'push_to_hub.py'), str(folder), '--repo-id', REPO_ID)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert 'Traceback' not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f'push_to_hub: error: cannot reach the Hub at {endpoint}'), lines
+    assert len(lines) == 1 and lines[0].startswith(f'push_to_hub.py: error: cannot reach the Hub at {endpoint}'), lines
     assert TOKEN not in result.stderr + result.stdout

@@ -309,17 +309,18 @@ def _plan_upload(
     # the files upload_folder takes: every file but those its default ignore patterns skip
     paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob('*')) if p.is_file()}
     names = list(filter_repo_objects(paths, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+    missing = [n for n in REQUIRED_FILES if n not in paths]
+    if missing:
+        # a training run's folder holds its Hub folder in model/ (finetune.py, pipeline.py)
+        inner = next((p for p in sorted(folder.glob(f'*/{CONFIG_NAME}')) if (p.parent / WEIGHTS_NAME).is_file()), None)
+        to_do = f'Push its Hub folder {inner.parent} instead.' if inner is not None else \
+            'Write one with timm_affinediv.hub.save_hub_folder.'
+        raise HubError(f"{folder} is not a Hub model folder: missing {', '.join(missing)}. {to_do}")
     pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise HubError(
             f"{folder} holds pickle weight files ({', '.join(pickles)}), which can run code when loaded;"
             f' only safetensors are published. Remove them (the weights belong in {WEIGHTS_NAME}).'
-        )
-    missing = [n for n in REQUIRED_FILES if n not in paths]
-    if missing:
-        raise HubError(
-            f"{folder} is not a Hub model folder: missing {', '.join(missing)}."
-            ' Write one with timm_affinediv.hub.save_hub_folder.'
         )
     try:
         with safetensors.safe_open(paths[WEIGHTS_NAME], framework='pt'):

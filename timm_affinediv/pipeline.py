@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 import torch.nn as nn
 from timm.models._input import get_model_args
 
+from .cli import refuse_existing_output
 from .hub import save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
 from .workflow import convert_to_folder, hub_dataset, load_trained_model
@@ -98,8 +99,8 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
     """Baseline (given or trained), conversion, fine-tuning with distillation, final Hub folder; returns the summary."""
     start = time.perf_counter()
     out = Path(cfg.output)
-    if (out / 'model').exists() and not cfg.overwrite:
-        raise FileExistsError(f'{out / "model"} already exists; pass --overwrite to run again.')
+    if not cfg.overwrite:
+        refuse_existing_output(out)
     out.mkdir(parents=True, exist_ok=True)
     baseline = _baseline(cfg, out)
     converted, report, conversion = convert_to_folder(
