@@ -136,7 +136,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     if trainer.is_primary:
-        folder = publish_run(result, dataset=cfg.dataset, data_dir=cfg.data_dir, overwrite=True)
+        base_model = trainer.model.pretrained_cfg.get('hf_hub_id') if cfg.pretrained else None
+        source = f'fine-tuned from the weights in {cfg.initial_checkpoint}' if cfg.initial_checkpoint else None
+        folder = publish_run(result, dataset=cfg.dataset, data_dir=cfg.data_dir, base_model=base_model,
+                             base_model_description=source, overwrite=True)
         _logger.info(f"done: top-1 {final_top1(result.metrics):.2f}%, Hub-ready folder {folder}")
     return 0
 

@@ -143,7 +143,7 @@ def test_model_card_metadata_and_content(folder):
     card = ModelCard.load(folder / 'README.md', ignore_metadata_errors=False)
     data = card.data
     assert data.library_name == 'timm' and data.pipeline_tag == 'image-classification'
-    assert {'timm_affinediv', 'patchnorm', 'image-classification', 'timm'} <= set(data.tags)
+    assert {'timm_affinediv', 'image-classification', 'timm'} <= set(data.tags)
     assert (data.license, data.base_model, data.datasets) == ('mit', CARD['base_model'], CARD['datasets'])
     results = {(r.metric_type, r.metric_value, r.dataset_type, r.dataset_name, r.task_type)
                for r in data.eval_results}
@@ -159,7 +159,7 @@ def test_model_card_metadata_and_content(folder):
     assert 'Norm layer: `batchnorm`' in text
     assert 'The Affine Divergence: Aligning Activation Updates Beyond Normalisation' in text
     assert 'eprint = {2512.22247}' in text and 'ICLR' in text
-    assert '| Top-1 Accuracy | Fashion-MNIST (test) | 91.2 |' in text
+    assert '| Top-1 Accuracy | the test split of Fashion-MNIST | 91.2 |' in text
     assert '$' not in text, 'unfilled template placeholder'
 
 
@@ -350,3 +350,65 @@ def test_cli_unreachable_endpoint_is_one_clear_line(folder, tmp_path, monkeypatc
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f'push_to_hub.py: error: cannot reach the Hub at {endpoint}'), lines
     assert TOKEN not in result.stderr + result.stdout
+
+
+# ---------------------------------------------------------------- what a Hub folder says about its model
+
+
+FMNIST_DATA_CONFIG = dict(input_size=(1, 32, 32), interpolation='bilinear', mean=(0.286,), std=(0.353,),
+                          crop_pct=1.0, crop_mode='center')
+
+
+@pytest.fixture(scope='module')
+def trained_folder(tmp_path_factory) -> Path:
+    """A 32x32 Fashion-MNIST model whose pretrained_cfg still carries the ImageNet source's provenance, as a model
+    fine-tuned from timm weights does (the Trainer adds its preprocessing on top), with training curves."""
+    model = timm.create_model('test_resnet', **MODEL_ARGS, norm_layer='patchnorm')
+    model.pretrained_cfg = {**model.pretrained_cfg, 'test_input_size': (3, 288, 288), 'paper_ids': 'arXiv:2110.00476',
+                            'test_crop_pct': 1.0, **FMNIST_DATA_CONFIG}
+    card = dict(CARD, norm_layer='patchnorm', repo_id=None, base_model=None,
+                base_model_description='converted from the BatchNorm `test_resnet` in runs/x/baseline, not on the Hub',
+                eval_set='a fixed random 2,000 of the 10,000 images of the Fashion-MNIST test split')
+    return save_hub_folder(model.eval(), tmp_path_factory.mktemp('trained') / 'model', model_args=MODEL_ARGS, card=card,
+                           metrics=METRICS, extra_files={'metrics.png': b'\x89PNG fake'})
+
+
+def test_config_describes_the_trained_model(trained_folder):
+    cfg = json.loads((trained_folder / 'config.json').read_text())['pretrained_cfg']
+    assert cfg['input_size'] == [1, 32, 32] and cfg['mean'] == [0.286] and cfg['std'] == [0.353]
+    assert cfg['num_classes'] == 10 and cfg['pool_size'] == [1, 1]  # 32 px through stride 32 (ImageNet's: 5x5)
+    for foreign in ('tag', 'paper_ids', 'hf_hub_id', 'test_input_size', 'test_crop_pct'):
+        assert foreign not in cfg, foreign
+    loaded = timm.create_model(f'local-dir:{trained_folder}', pretrained=True)
+    data = timm.data.resolve_data_config({}, model=loaded, use_test_size=True)
+    assert data['input_size'] == (1, 32, 32) and tuple(data['mean']) == (0.286,) and data['crop_pct'] == 1.0
+
+
+def test_card_says_what_the_model_is(trained_folder):
+    card = ModelCard.load(trained_folder / 'README.md', ignore_metadata_errors=False)
+    assert 'patchnorm' in card.data.tags and card.data.base_model is None
+    text = card.text
+    assert 'Model card for test-resnet-fmnist' not in text and '# Model card for model' in text  # the folder name
+    assert 'hf-hub:YOUR-ORG/YOUR-MODEL' in text and 'replace it with that repo id' in text
+    assert 'converted from the BatchNorm `test_resnet` in runs/x/baseline' in text
+    assert 'trained from scratch' not in text
+    assert 'Evaluated on a fixed random 2,000 of the 10,000 images of the Fashion-MNIST test split' in text
+    assert 'author = {Bird, George}' in text and 'George Bird' in text
+    assert '![Training curves' in text and '(metrics.png)' in text
+    assert (trained_folder / 'metrics.png').read_bytes() == b'\x89PNG fake'
+    assert '$' not in text
+
+
+def test_card_names_repo_and_hub_base_model(folder):
+    card = ModelCard.load(folder / 'README.md', ignore_metadata_errors=False)
+    assert card.data.base_model == CARD['base_model']
+    assert f'[{CARD["base_model"]}](https://huggingface.co/{CARD["base_model"]})' in card.text
+    assert '# Model card for test-resnet-fmnist' in card.text and 'YOUR-ORG' not in card.text
+
+
+def test_batchnorm_baseline_card_is_not_patchnorm(folder):
+    """CARD describes a BatchNorm model: neither the tag nor the text may call it PatchNorm."""
+    card = ModelCard.load(folder / 'README.md', ignore_metadata_errors=False)
+    assert 'patchnorm' not in card.data.tags
+    assert 'Norm layer: `batchnorm`. This model has no PatchNorm' in card.text
+    assert 'PatchNorm divides' not in card.text

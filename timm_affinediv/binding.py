@@ -22,14 +22,17 @@ automatically once `timm_affinediv` is imported.
 import logging
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from timm.layers import get_notrace_functions, get_notrace_modules
+from timm.models._input import get_model_input_config
 
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .slot import PatchNormSlot, SlotBinding
 
-__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected']
+__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'SlotLayoutError']
 
 _logger = logging.getLogger(__name__)
 
@@ -37,6 +40,10 @@ _AFFINE_TYPES = (nn.Conv2d, nn.Linear)
 _LAYOUT_MODULES = (nn.Identity, nn.Dropout, nn.Flatten)
 _LAYOUT_METHODS = {'permute', 'reshape', 'view', 'flatten', 'contiguous'}
 _LAYOUT_FUNCTIONS = {'permute', 'reshape', 'flatten', 'dropout'}
+
+
+class SlotLayoutError(ValueError):
+    """A `patchnorm` slot whose input does not hold its channels where it normalises them (token layouts)."""
 
 
 class _BindingTracer(fx.Tracer):
@@ -107,6 +114,52 @@ def _find_consumers(slot_node: fx.Node, modules, calls) -> Tuple[Tuple[str, ...]
     return (), f'its output feeds {len(node.users)} nodes' if node.users else 'its output is unused'
 
 
+def _slot_input_shapes(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> Dict[str, Tuple[int, ...]]:
+    """ The input shape of each slot in a forward of a batch of 2 at the model's input size, on fake tensors (shapes
+    only, no arithmetic, nothing stored). Models that do not run on fake tensors give what was seen before they stop.
+    """
+    shapes: Dict[str, Tuple[int, ...]] = {}
+
+    def record(name):
+        def hook(module, args):
+            shapes.setdefault(name, tuple(args[0].shape))
+        return hook
+
+    handles = [slot.register_forward_pre_hook(record(name)) for name, slot in slots.items()]
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            model.eval()(torch.empty(2, *get_model_input_config(model)['input_size']))
+    except Exception as e:  # a mislaid slot raises here; so may an input size or an op fake tensors do not support
+        _logger.debug(f'shape check of the patchnorm slots stopped: {type(e).__name__}: {e}')
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, training in modes.items():
+            m.training = training
+    return shapes
+
+
+def _check_slot_layouts(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> None:
+    """Raise `SlotLayoutError` if a slot's input does not hold its channels in its channel dim (ViT's (N, L, C)
+    tokens in a (N, C, H, W) slot): such a model would build, then fail or normalise the wrong axis."""
+    for name, shape in _slot_input_shapes(model, slots).items():
+        slot = slots[name]
+        if len(shape) < 2 or shape[slot.channel_dim] != slot.num_features:
+            raise SlotLayoutError(
+                f"norm_layer='patchnorm' does not fit {type(model).__name__}: its norm {name} takes tensors of shape "
+                f"{shape}, whose dim {slot.channel_dim} is not its {slot.num_features} channels ({type(slot).__name__} "
+                f"binds to convolutions over (N, C, H, W) maps). Use patchnorm in convolutional models (ResNet, "
+                f"ConvNeXt, ...); for token models (ViT) use a normaliser over the last dim, e.g. norm_layer='rmsnorm'.")
+
+
+def _needs_layout_check(binding: SlotBinding, modules: Dict[str, nn.Module]) -> bool:
+    """A slot bound only to convolutions sees their (N, C, H, W) output or input; any other might not."""
+    neighbours = [binding.producer] if binding.producer else []
+    neighbours += binding.consumers
+    return not neighbours or not all(isinstance(modules[path], nn.Conv2d) for path in neighbours)
+
+
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition('.')
     setattr(model.get_submodule(parent_path), name, new)
@@ -115,7 +168,8 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
 def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     """ Bind every `patchnorm` slot of `model` to its neighbours (in place) and return the bindings.
 
-    A no-op for models without slots. Raises `RuntimeError` if the model cannot be traced.
+    A no-op for models without slots. Raises `RuntimeError` if the model cannot be traced, `SlotLayoutError` if a
+    slot does not see its channels where it normalises them (e.g. ViT tokens, checked on fake tensors).
     """
     slots = {name: m for name, m in model.named_modules() if isinstance(m, PatchNormSlot)}
     if not slots:
@@ -144,6 +198,8 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
         consumers, consumer_note = _find_consumers(node, modules, calls)
         note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
         bindings[node.target] = SlotBinding(node.target, producer, consumers, note)
+    if any(_needs_layout_check(b, modules) for b in bindings.values()):
+        _check_slot_layouts(model, slots)
 
     def correct(path: str, scale: str, add_bias: bool = False) -> None:
         modules[path] = divergence_corrected(modules[path], scale=scale, add_bias=add_bias)

@@ -227,6 +227,17 @@ def _subset(dataset: Dataset, size: Optional[int], seed: int = 0) -> Dataset:
     return Subset(dataset, indices.sort().values.tolist())
 
 
+def describe_split(dataset: Dataset, name: str, split: str) -> str:
+    """The evaluation set in words, with its size, for model cards: 'the 10,000 images of the Fashion-MNIST test
+    split', or 'a fixed random 2,000 of the 10,000 images of ...' for a subset (`_subset`)."""
+    if is_fashion_mnist(name):
+        name, split = 'Fashion-MNIST', _canonical_split(split)
+    where = f'the {name} {split} split'
+    if isinstance(dataset, Subset):
+        return f'a fixed random {len(dataset):,} of the {len(dataset.dataset):,} images of {where}'
+    return f'the {len(dataset):,} images of {where}'
+
+
 def create_train_loader(
         name: str,
         root: Optional[str],

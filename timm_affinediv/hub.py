@@ -28,11 +28,14 @@ from typing import Any, Mapping
 import httpx2
 import safetensors
 import timm
+import torch
 from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
 from timm.models import model_entrypoint, register_model, save_for_hf
+from timm.models._input import get_model_input_config
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
 
@@ -46,7 +49,17 @@ REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 #: Weight formats that unpickle (and so can run code) when loaded: never published.
 PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar')
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / 'model_cards' / 'patchnorm.md'
-CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv', 'patchnorm')
+CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv')
+#: Norm layers whose name is also a card tag: only models that have them are tagged so.
+NORM_TAGS = ('patchnorm', 'affinediv')
+#: Placeholder repo id of a card written before the repo is known.
+REPO_PLACEHOLDER = 'YOUR-ORG/YOUR-MODEL'
+#: The training curves, shown in the card when the folder has them (`extra_files`).
+PLOT_NAME = 'metrics.png'
+#: `pretrained_cfg` entries that describe the source checkpoint (ImageNet weights: their tag, paper, notes), not
+#: the weights of a Hub folder.
+SOURCE_CFG_KEYS = ('tag', 'paper_ids', 'paper_name', 'notes', 'origin_url', 'hf_hub_id', 'hf_hub_filename', 'url',
+                   'file', 'source')
 _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
 
 
@@ -83,6 +96,7 @@ def save_hub_folder(
         card: dict | None = None,
         metrics: dict | None = None,
         extra_files: Mapping[str, str | bytes] | None = None,
+        data_config: dict | None = None,
         overwrite: bool = False,
 ) -> Path:
     """Write a timm Hub folder for ``model``, atomically.
@@ -100,7 +114,11 @@ def save_hub_folder(
             those timm recorded when it created the model and must be JSON serializable.
         card: Free model card fields (see ``render_model_card``).
         metrics: Measured metrics for the card's ``model-index``, e.g. ``{'top1': 91.2}``.
-        extra_files: File name -> text or bytes, written beside the model.
+        extra_files: File name -> text or bytes, written beside the model; a ``metrics.png`` is shown in the card.
+        data_config: The preprocessing the weights were trained with (``input_size``, ``mean``, ``std``, ...);
+            default: that in the model's ``pretrained_cfg``, at its current input size. ``config.json``'s ``pretrained_cfg``
+            describes these weights: this preprocessing, the class count, the pool size at this input size, and
+            none of the source checkpoint's tag, paper or test-time size.
         overwrite: Replace an existing ``output_dir``.
 
     Returns:
@@ -117,16 +135,21 @@ def save_hub_folder(
     tmp_dir = _sibling(output_dir, 'tmp')
     tmp_dir.mkdir()
     try:
-        save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True)
+        data_config = dict(data_config or _data_config(model))
+        save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True, data_config=data_config)
         config_path = tmp_dir / CONFIG_NAME
         config = json.loads(config_path.read_text())
+        for key in SOURCE_CFG_KEYS:
+            config['pretrained_cfg'].pop(key, None)
+        config['pretrained_cfg']['pool_size'] = _pool_size(model, config['pretrained_cfg']['input_size'])
         arch = config['architecture']
         config['architecture'] = _hub_architecture(arch)
         config['pretrained_cfg']['architecture'] = arch
         if card and card.get('license'):
             config['pretrained_cfg']['license'] = card['license']
         config_path.write_text(json.dumps(config, indent=2))
-        render_model_card(config, card=card, metrics=metrics, model_name=output_dir.name).save(tmp_dir / CARD_NAME)
+        render_model_card(config, card=card, metrics=metrics, model_name=output_dir.name,
+                          plot=PLOT_NAME if PLOT_NAME in extra_files else None).save(tmp_dir / CARD_NAME)
         for name, content in extra_files.items():
             path = tmp_dir / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +162,36 @@ def save_hub_folder(
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return output_dir
+
+
+def _data_config(model: nn.Module) -> dict:
+    """The preprocessing recorded with the model (`pretrained_cfg`, where the Trainer and `convert_to_folder` put
+    theirs), at the model's current input size."""
+    cfg = getattr(model, 'pretrained_cfg', {})
+    input_size = get_model_input_config(model)['input_size']
+    config = {k: cfg[k] for k in ('interpolation', 'crop_pct', 'crop_mode') if cfg.get(k) is not None}
+    # per-channel statistics of other channels (ImageNet's 3 for a 1-channel model) are left to timm, which averages
+    config.update({k: cfg[k] for k in ('mean', 'std') if cfg.get(k) is not None and len(cfg[k]) == input_size[0]})
+    return dict(config, input_size=input_size)
+
+
+def _pool_size(model: nn.Module, input_size) -> list[int] | None:
+    """The spatial size of `model`'s final feature map at `input_size` (what timm's `pool_size` records), from a
+    forward on fake tensors (shapes only); None for models whose features are not (N, C, H, W)."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            features = model.eval().forward_features(torch.empty(1, *input_size, device=_device(model)))
+    except Exception:  # a model without forward_features, or one fake tensors cannot run: no size is recorded
+        return None
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return list(features.shape[-2:]) if features.dim() == 4 else None
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
 
 
 def _check_extra_file_name(name: str) -> None:
@@ -176,34 +229,41 @@ def render_model_card(
         card: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         model_name: str,
+        plot: str | None = None,
 ) -> ModelCard:
     """Render the model card (``README.md``) of a Hub folder from ``model_cards/patchnorm.md``.
 
     Args:
         config: The folder's ``config.json`` content.
-        card: Free fields. Used in the card: ``repo_id`` (for the loading snippet, default
-            ``your-org/<model_name>``), ``model_name``, ``base_model``, ``datasets`` (Hub dataset
-            ids), ``dataset_name`` (pretty name), ``dataset_split`` (default ``test``),
-            ``license`` (default: the weights' ``pretrained_cfg`` license, else ``apache-2.0``), ``recipe`` (conversion and training text),
-            ``norm_layer`` (default ``model_args['norm_layer']``), ``tags`` (added to the
-            standard ones). Other fields go to the card's metadata as they are.
+        card: Free fields. Used in the card: ``repo_id`` (for the loading snippet and the title; unknown: a
+            placeholder the card says to replace), ``model_name``, ``base_model`` (Hub id of the model this one was
+            converted or fine-tuned from: the card's ``base_model`` metadata), ``base_model_description`` (the base
+            model in words, e.g. a local folder not on the Hub), ``datasets`` (Hub dataset ids), ``dataset_name``
+            (pretty name), ``dataset_split`` (default ``test``), ``eval_set`` (the evaluation set in words, with its
+            size), ``license`` (default: the weights' ``pretrained_cfg`` license, else ``apache-2.0``), ``recipe``
+            (conversion and training text), ``norm_layer`` (default ``model_args['norm_layer']``), ``tags`` (added
+            to the standard ones). Other fields go to the card's metadata as they are.
         metrics: Metric name -> value for the ``model-index``; ``top1``/``top5`` are accuracies in %.
-        model_name: Default model name (the folder name).
+        model_name: Default model name (the folder name), when neither ``model_name`` nor ``repo_id`` is given.
+        plot: File name of the training curves in the folder, shown in the card.
 
     Returns:
         The card, parsed back by ``ModelCard`` so that its metadata is known to be valid.
     """
     fields = dict(card or {})
-    model_name = fields.pop('model_name', model_name)
-    repo_id = fields.pop('repo_id', f'your-org/{model_name}')
+    repo_id = fields.pop('repo_id', None)
+    model_name = fields.pop('model_name', None) or (repo_id.split('/')[-1] if repo_id else model_name)
     recipe = fields.pop('recipe', 'Not recorded.')
     dataset_name = fields.pop('dataset_name', None)
     dataset_split = fields.pop('dataset_split', 'test')
+    eval_set = fields.pop('eval_set', None)
+    base_model_description = fields.pop('base_model_description', None)
     datasets = fields.pop('datasets', None)
     datasets = [datasets] if isinstance(datasets, str) else datasets
     model_args = config.get('model_args', {})
-    norm_layer = fields.pop('norm_layer', model_args.get('norm_layer', "the architecture's default"))
-    tags = list(dict.fromkeys([*CARD_TAGS, *fields.pop('tags', [])]))
+    norm_layer = fields.pop('norm_layer', None) or model_args.get('norm_layer')
+    norm_tags = [norm_layer] if norm_layer in NORM_TAGS else []
+    tags = list(dict.fromkeys([*CARD_TAGS, *norm_tags, *fields.pop('tags', [])]))
 
     eval_results = None
     if metrics:
@@ -233,22 +293,42 @@ def render_model_card(
         eval_results=eval_results,
         **fields,
     )
-    results = '\n'.join(f'| {r.metric_name} | {r.dataset_name} ({r.dataset_split}) | {r.metric_value} |'
-                        for r in eval_results or [])
+    eval_set = eval_set or (f'the {dataset_split} split of {dataset_name or datasets[0]}' if datasets else 'not recorded')
+    results = '\n'.join(f'| {r.metric_name} | {eval_set} | {r.metric_value} |' for r in eval_results or [])
+    base_model = ' '.join(filter(None, [f'[{data.base_model}](https://huggingface.co/{data.base_model})'
+                                        if data.base_model else None, base_model_description]))
     body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
         model_name=model_name,
-        repo_id=repo_id,
+        repo_id=repo_id or REPO_PLACEHOLDER,
+        repo_note='' if repo_id else (
+            f'\n`{REPO_PLACEHOLDER}` stands for the repo this folder is pushed to: replace it with that repo id '
+            '(`scripts/push_to_hub.py FOLDER --repo-id ORG/NAME`).\n'),
         architecture=config['pretrained_cfg']['architecture'],
-        norm_layer=norm_layer,
+        norm_description=_norm_description(norm_layer),
         model_args=json.dumps(model_args),
-        base_model=data.base_model or 'none (trained from scratch)',
+        base_model=base_model or 'none (trained from scratch)',
         datasets=', '.join(datasets or []) or 'not recorded',
         input_size='x'.join(str(s) for s in config['pretrained_cfg']['input_size']),
         recipe=recipe,
+        eval_set=eval_set,
         results=results or '| not measured | | |',
+        plot=f'\n![Training curves: loss and top-1 per epoch]({plot})\n' if plot else '',
         plugin_hint=PLUGIN_HINT,
     )
     return ModelCard(f'---\n{data.to_yaml()}\n---\n{body}', ignore_metadata_errors=False)
+
+
+def _norm_description(norm_layer: str | None) -> str:
+    if norm_layer == 'patchnorm':
+        return ('Norm layer: `patchnorm`. timm-affinediv\'s PatchNorm divides each convolution\'s output at every '
+                'position by the root mean square of the input patch it reads (plus one for the bias), so that a '
+                'gradient step moves every sample and position by the same factor: the affine divergence is removed.')
+    if norm_layer == 'affinediv':
+        return ('Norm layer: `affinediv`. Every convolution and linear layer is divergence corrected '
+                '(`(W x + b) / s(x)`), with no normaliser: the paper\'s alternative to normalisation.')
+    name = f'`{norm_layer}`' if norm_layer else "the architecture's own"
+    return (f'Norm layer: {name}. This model has no PatchNorm: it is a baseline (e.g. the model a PatchNorm version '
+            'is converted from), published with timm-affinediv.')
 
 
 @dataclass(frozen=True)

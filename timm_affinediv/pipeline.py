@@ -15,7 +15,8 @@ import torch.nn as nn
 from timm.models._input import get_model_args
 
 from .cli import refuse_existing_output
-from .hub import save_hub_folder
+from .data import is_fashion_mnist
+from .hub import PLOT_NAME, save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
 from .workflow import convert_to_folder, hub_dataset, load_trained_model
 
@@ -60,15 +61,28 @@ def publish_run(
         data_dir: Optional[str] = None,
         recipe: Optional[str] = None,
         extra_files: Optional[Dict[str, str]] = None,
+        base_model: Optional[str] = None,
+        base_model_description: Optional[str] = None,
         overwrite: bool = False,
 ) -> Path:
-    """The Hub-ready folder (default `<output>/model`) of a finished run, its measured metrics in the card."""
+    """ The Hub-ready folder (default `<output>/model`) of a finished run: its measured metrics, the evaluation set
+    and the training curves (`metrics.png`, copied into the folder) in the card. `base_model` is the Hub id of the
+    model it was fine-tuned or converted from, `base_model_description` that model in words.
+    """
     folder = Path(folder or Path(result.output_dir) / 'model')
     model = result.model
+    norm_layer = get_model_args(model).get('norm_layer')
     recipe = recipe or (f'Trained with timm-affinediv\'s trainer: {len(result.history)} epochs, '
                         f'see train_config.json in the run folder.')
-    card = dict(datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset or data_dir, recipe=recipe,
-                norm_layer=get_model_args(model).get('norm_layer', 'the architecture\'s default'))
+    dataset_name = 'Fashion-MNIST' if is_fashion_mnist(dataset) else dataset or Path(data_dir or 'images').name
+    card = dict(datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset_name, recipe=recipe,
+                norm_layer=norm_layer, eval_set=result.eval_set or None, base_model=base_model,
+                base_model_description=base_model_description,
+                model_name=f"{result.model_name}-{norm_layer or 'baseline'}-{dataset_name.lower()}")
+    extra_files = dict(extra_files or {})
+    plot = Path(result.output_dir) / PLOT_NAME
+    if plot.is_file():
+        extra_files[PLOT_NAME] = plot.read_bytes()
     metrics = dict(top1=round(final_top1(result.metrics), 2), top5=round(final_top1(result.metrics, 5), 2))
     return save_hub_folder(model, folder, model_args=get_model_args(model), card=card, metrics=metrics,
                            extra_files=extra_files, overwrite=overwrite)
@@ -103,9 +117,11 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
         refuse_existing_output(out)
     out.mkdir(parents=True, exist_ok=True)
     baseline = _baseline(cfg, out)
+    source = (f'`{cfg.checkpoint}`' if cfg.checkpoint else
+              f'the BatchNorm `{cfg.model}` this pipeline trained ({out / "baseline"})') + ', not on the Hub'
     converted, report, conversion = convert_to_folder(
         baseline, str(out / 'converted'), norm=cfg.norm, calib_batches=cfg.calib_batches,
-        eval_images=cfg.val_subset, overwrite=True)
+        eval_images=cfg.val_subset, base_model_description=f'converted from {source}', overwrite=True)
     _logger.info(f"top-1: baseline {conversion['original']['top1']:.2f}%, "
                  f"converted {conversion['converted']['top1']:.2f}%; fine-tuning with distillation")
     result = Trainer(train_config(
@@ -122,5 +138,6 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
               f'distillation from the BatchNorm model (weight {cfg.distill_weight}, temperature '
               f'{cfg.distill_temperature}).')
     publish_run(result, str(out / 'model'), recipe=recipe, overwrite=cfg.overwrite,
+                base_model_description=f'converted from {source}, then fine-tuned with distillation from it',
                 extra_files={'pipeline_summary.json': json.dumps(summary, indent=2)})
     return summary

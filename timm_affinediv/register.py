@@ -45,8 +45,9 @@ def _add_entries(table: dict, entries: dict, where: str) -> None:
 def _binding_init_model_traits(init_model_traits):
     @functools.wraps(init_model_traits)
     def init_model_traits_and_bind(model, *args, **kwargs):
-        bind_patchnorm(model)
-        return init_model_traits(model, *args, **kwargs)
+        traits = init_model_traits(model, *args, **kwargs)
+        bind_patchnorm(model)  # after the traits: the slots' shape check reads the model's input size from them
+        return traits
     init_model_traits_and_bind.binds_patchnorm = True
     return init_model_traits_and_bind
 

@@ -42,8 +42,8 @@ from tqdm import tqdm
 
 from .binding import bind_patchnorm
 from .data import (
-    create_eval_loader, create_train_loader, dataset_num_classes, is_fashion_mnist, resolve_dataset_data_config,
-    set_loader_epoch,
+    create_eval_loader, create_train_loader, dataset_num_classes, describe_split, is_fashion_mnist,
+    resolve_dataset_data_config, set_loader_epoch,
 )
 
 __all__ = [
@@ -188,6 +188,7 @@ class TrainResult:
     history: List[Dict[str, float]]
     output_dir: str
     weights_file: str
+    eval_set: str = ''  # the validation set in words, with its size (`describe_split`)
 
 
 class DistillationLoss(nn.Module):
@@ -735,7 +736,8 @@ class Trainer:
         return TrainResult(
             model=self.final_model, model_name=self.cfg.model, model_args=dict(self.model_args),
             metrics=dict(self.history[-1]) if self.history else {}, best_metrics=dict(self.best or {}),
-            history=list(self.history), output_dir=self.cfg.output, weights_file=weights_file)
+            history=list(self.history), output_dir=self.cfg.output, weights_file=weights_file,
+            eval_set=describe_split(self.val_loader.dataset, self.cfg.dataset or self.cfg.data_dir, self.cfg.val_split))
 
     def _save_interrupt_checkpoint(self, epoch: int, at_sync_point: bool) -> Optional[str]:
         """Checkpoint at the last completed update. A raw KeyboardInterrupt can hit any rank anywhere, so then

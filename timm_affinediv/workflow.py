@@ -12,7 +12,7 @@ import torch.nn as nn
 from timm.models._input import get_model_args
 
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
-from .data import create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
+from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
 from .hub import save_hub_folder
 from .train import evaluate
 
@@ -71,6 +71,7 @@ def convert_to_folder(
         batch_size: int = 64,
         eval_images: Optional[int] = None,
         base_model: Optional[str] = None,
+        base_model_description: Optional[str] = None,
         overwrite: bool = False,
         progress: bool = True,
         workers: int = 0,
@@ -78,7 +79,8 @@ def convert_to_folder(
 ) -> Tuple[nn.Module, ConversionReport, Dict[str, Any]]:
     """ Convert `model` with `calib_batches` batches of `dataset`'s training split, evaluate the original and
     the converted model on its validation split, and write the Hub folder `output` (weights, config, card,
-    `conversion_report.json`). Returns the converted model, the report and the metrics.
+    `conversion_report.json`). `base_model` is the Hub id of `model` when it has one, `base_model_description`
+    says where it came from otherwise. Returns the converted model, the report and the metrics.
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
@@ -103,8 +105,13 @@ def convert_to_folder(
     save_hub_folder(
         converted, output, overwrite=overwrite,
         model_args=get_model_args(converted),
-        card=dict(base_model=base_model, datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset,
-                  recipe=recipe, norm_layer=norm),
+        card=dict(base_model=base_model, datasets=[hub_dataset(dataset, data_dir)],
+                  dataset_name='Fashion-MNIST' if is_fashion_mnist(dataset) else dataset or Path(data_dir).name,
+                  eval_set=describe_split(eval_loader.dataset, dataset or data_dir, 'validation'), recipe=recipe,
+                  norm_layer=norm, model_name=f'{report.architecture}-{norm}',
+                  base_model_description=base_model_description or (
+                      None if base_model else f'converted from a trained `{report.architecture}`, not on the Hub')),
+        data_config=data_config,
         metrics=dict(top1=round(metrics['converted']['top1'], 2), top5=round(metrics['converted']['top5'], 2)),
         extra_files={'conversion_report.json': json.dumps(dict(report.to_dict(), metrics=metrics), indent=2)},
     )
