@@ -32,7 +32,7 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, **kwargs: A
         try:
             return timm.create_model(model, pretrained=True, **kwargs).eval()
         except (OSError, RuntimeError, ValueError) as e:  # no network, no such repo or folder, weights that do not fit
-            raise ConversionError(f'cannot load {model}: {type(e).__name__}: {e}') from e
+            raise ConversionError(f'cannot load {model}: {type(e).__name__}: {" ".join(str(e).split())}') from e
     if not timm.is_model(model):
         raise ConversionError(f"unknown model '{model}': give a timm model name (timm.list_models()), "
                               'hf-hub:org/name or local-dir:PATH.')

@@ -1,0 +1,153 @@
+"""Every command refuses bad input with one line and exit status 2, before any work, and overwrites nothing unless told
+(the table of issue 13, row by row)."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import timm_affinediv  # noqa: F401
+from timm_affinediv.binding import SlotLayoutError
+from timm_affinediv.cli import run_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f'{name}_cli', ROOT / 'scripts' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(name: str, *argv: str, capsys) -> str:
+    """Run a script's main as its `__main__` does; assert exit status 2 and one line on stderr; return that line."""
+    argv0, sys.argv[0] = sys.argv[0], str(ROOT / 'scripts' / f'{name}.py')  # argparse names the script from it
+    try:
+        status = run_main(_script(name).main, list(argv))
+    except SystemExit as e:  # argparse
+        status = e.code
+    finally:
+        sys.argv[0] = argv0
+    captured = capsys.readouterr()
+    assert status == 2, captured
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f'{name}.py: error: '), lines
+    return lines[0]
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob('*')) if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path) -> Path:
+    """A folder with what a finished run leaves, and a file of the user's."""
+    run = tmp_path / 'run'
+    (run / 'model').mkdir(parents=True)
+    (run / 'checkpoints').mkdir()
+    for name in ('model.safetensors', 'metrics.csv', 'model/README.md', 'checkpoints/last.json', 'notes.txt'):
+        (run / name).write_text(f'earlier {name}')
+    return run
+
+
+@pytest.mark.parametrize('argv, message', [
+    (('--calib-batches', '-1'), 'argument --calib-batches: -1 is not an integer >= 0'),
+    (('--calib-data', 'no/such/folder'), 'argument --calib-data: no/such/folder does not exist'),
+    (('--model', 'local-dir:no/such/folder'), 'argument --model: no/such/folder does not exist'),
+    (('--model', 'resnet18', '--checkpoint', 'missing.safetensors'), 'argument --checkpoint: missing.safetensors does not exist'),
+])
+def test_convert_bad_arguments(argv, message, tmp_path, capsys):
+    line = _run('convert', *argv, '--output', str(tmp_path / 'out'), capsys=capsys)
+    assert message in line and not (tmp_path / 'out').exists()
+
+
+def test_convert_refuses_existing_output_before_loading(finished_run, capsys):
+    before = _snapshot(finished_run)
+    line = _run('convert', '--model', 'resnet18', '--checkpoint', str(finished_run / 'model.safetensors'),
+                '--output', str(finished_run), capsys=capsys)
+    assert 'holds earlier results' in line and '--overwrite' in line
+    assert _snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize('argv, message', [
+    (('--train-subset', '-1'), 'argument --train-subset: -1 is not a positive integer'),
+    (('--train-subset', '0'), 'argument --train-subset: 0 is not a positive integer'),
+    (('--norm-layer', 'foonorm'), "argument --norm-layer: unknown norm layer 'foonorm'; choose one of"),
+    (('--epochs', '0'), 'argument --epochs: 0 is not a positive integer'),
+    (('--model', 'resnet-18'), "argument --model: unknown timm model 'resnet-18'"),
+    (('--resume', 'no/such/run'), 'argument --resume: no/such/run does not exist'),
+])
+def test_finetune_bad_arguments(argv, message, tmp_path, capsys):
+    line = _run('finetune', *argv, '--output', str(tmp_path / 'out'), capsys=capsys)
+    assert message in line and not (tmp_path / 'out').exists()
+
+
+def test_finetune_keeps_a_finished_run(finished_run, capsys):
+    before = _snapshot(finished_run)
+    line = _run('finetune', '--output', str(finished_run), capsys=capsys)
+    assert f'{finished_run} holds earlier results' in line and '--overwrite' in line and '--resume' in line
+    assert _snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize('argv, message', [
+    (('--model', 'resnet18', '--norm', 'foonorm'), "argument --norm: unknown norm layer 'foonorm'"),
+    (('--model', 'resnet18', '--checkpoint', 'no/such.safetensors'), 'argument --checkpoint: no/such.safetensors does not exist'),
+    (('--model', 'resnet18', '--samples', '0'), 'argument --samples: 0 is not a positive integer'),
+])
+def test_divergence_report_bad_arguments(argv, message, capsys):
+    assert message in _run('divergence_report', *argv, capsys=capsys)
+
+
+def test_divergence_report_keeps_an_earlier_report(tmp_path, capsys):
+    (tmp_path / 'report.md').write_text('earlier')
+    line = _run('divergence_report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path), capsys=capsys)
+    assert 'holds earlier results (report.md)' in line
+    assert _snapshot(tmp_path) == {Path('report.md'): b'earlier'}
+
+
+def test_pipeline_and_experiments_keep_earlier_results(finished_run, tmp_path, capsys):
+    before = _snapshot(finished_run)
+    assert 'holds earlier results' in _run('pipeline', '--output', str(finished_run), capsys=capsys)
+    assert _snapshot(finished_run) == before
+    (tmp_path / 'mlp.json').write_text('{}')
+    line = _run('experiments', '--only', 'mlp', '--quick', '--output', str(tmp_path), capsys=capsys)
+    assert 'holds earlier results (mlp.json)' in line
+    assert 'argument --train-subset: -5' in _run('pipeline', '--train-subset', '-5', capsys=capsys)
+
+
+def test_push_to_hub_points_a_run_folder_at_its_model_folder(tmp_path, capsys):
+    run = tmp_path / 'run'
+    (run / 'model').mkdir(parents=True)
+    for name in ('config.json', 'model.safetensors', 'README.md'):
+        (run / 'model' / name).write_text('x')
+    (run / 'checkpoints' / 'epoch-0000').mkdir(parents=True)
+    (run / 'checkpoints' / 'epoch-0000' / 'train_state.pt').write_bytes(b'pickle')
+    line = _run('push_to_hub', str(run), '--repo-id', 'org/name', '--dry-run', capsys=capsys)
+    assert f'{run} is not a Hub model folder' in line and f'Push its Hub folder {run / "model"} instead' in line
+
+
+def test_scripts_answer_bad_input_in_one_line_without_traceback(tmp_path):
+    """The real entry points: argument errors and user errors raised deep in the work, offline Hub included."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
+               HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'hf'))
+    for script, *argv, message in [
+            ('convert.py', '--model', 'hf-hub:org/not-here', '--output', str(tmp_path / 'c'), 'hf-hub:org/not-here'),
+            ('finetune.py', '--train-subset', '-1', '--train-subset'),
+            ('divergence_report.py', '--model', 'resnet18', '--norm', 'foonorm', "'foonorm'")]:
+        proc = subprocess.run([sys.executable, str(ROOT / 'scripts' / script), *argv], env=env, capture_output=True,
+                              text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and 'Traceback' not in proc.stderr, (script, proc.stderr)
+        assert len(lines) == 1 and 'error' in lines[0] and message in lines[0], (script, lines)
+
+
+def test_patchnorm_in_a_token_model_is_refused_at_create_model():
+    with pytest.raises(SlotLayoutError, match=r"blocks\.0\.norm1 takes tensors of shape \(2, 5, 192\)"):
+        timm.create_model('vit_tiny_patch16_224', norm_layer='patchnorm', img_size=32)
+    model = timm.create_model('vit_tiny_patch16_224', norm_layer='rmsnorm', img_size=32)  # what the message offers
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
