@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fashion-MNIST experiments testing the affine divergence paper's claims (see timm_affinediv.experiments).
 
-    python scripts/experiments.py --output docs/results              # all three, full budget
+    python scripts/experiments.py --output docs/results --overwrite  # all three, full budget, over the last results
     python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, minutes
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 

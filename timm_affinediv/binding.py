@@ -20,7 +20,8 @@ can be repeated after changing a model (e.g. `reset_classifier`). `timm.create_m
 automatically once `timm_affinediv` is imported.
 """
 import logging
-from typing import Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ from timm.models._input import get_model_input_config
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .slot import PatchNormSlot, SlotBinding
 
-__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'SlotLayoutError']
+__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'fake_eval', 'SlotLayoutError']
 
 _logger = logging.getLogger(__name__)
 
@@ -114,6 +115,19 @@ def _find_consumers(slot_node: fx.Node, modules, calls) -> Tuple[Tuple[str, ...]
     return (), f'its output feeds {len(node.users)} nodes' if node.users else 'its output is unused'
 
 
+@contextmanager
+def fake_eval(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` in eval mode, computing on fake tensors (shapes only: no arithmetic, nothing stored); the modes of its
+    modules are restored after."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            yield model.eval()
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
 def _slot_input_shapes(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> Dict[str, Tuple[int, ...]]:
     """ The input shape of each slot in a forward of a batch of 2 at the model's input size, on fake tensors (shapes
     only, no arithmetic, nothing stored). Models that do not run on fake tensors give what was seen before they stop.
@@ -126,17 +140,14 @@ def _slot_input_shapes(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> Dic
         return hook
 
     handles = [slot.register_forward_pre_hook(record(name)) for name, slot in slots.items()]
-    modes = {m: m.training for m in model.modules()}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            model.eval()(torch.empty(2, *get_model_input_config(model)['input_size']))
+        with fake_eval(model):
+            model(torch.empty(2, *get_model_input_config(model)['input_size']))
     except Exception as e:  # a mislaid slot raises here; so may an input size or an op fake tensors do not support
         _logger.debug(f'shape check of the patchnorm slots stopped: {type(e).__name__}: {e}')
     finally:
         for handle in handles:
             handle.remove()
-        for m, training in modes.items():
-            m.training = training
     return shapes
 
 

@@ -35,7 +35,8 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, 
 from timm.models import model_entrypoint, register_model, save_for_hf
 from timm.models._input import get_model_input_config
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .binding import fake_eval
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
 
@@ -178,15 +179,11 @@ def _data_config(model: nn.Module) -> dict:
 def _pool_size(model: nn.Module, input_size) -> list[int] | None:
     """The spatial size of `model`'s final feature map at `input_size` (what timm's `pool_size` records), from a
     forward on fake tensors (shapes only); None for models whose features are not (N, C, H, W)."""
-    modes = {m: m.training for m in model.modules()}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            features = model.eval().forward_features(torch.empty(1, *input_size, device=_device(model)))
+        with fake_eval(model):
+            features = model.forward_features(torch.empty(1, *input_size, device=_device(model)))
     except Exception:  # a model without forward_features, or one fake tensors cannot run: no size is recorded
         return None
-    finally:
-        for m, training in modes.items():
-            m.training = training
     return list(features.shape[-2:]) if features.dim() == 4 else None
 
 
