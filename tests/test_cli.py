@@ -151,3 +151,12 @@ def test_patchnorm_in_a_token_model_is_refused_at_create_model():
         timm.create_model('vit_tiny_patch16_224', norm_layer='patchnorm', img_size=32)
     model = timm.create_model('vit_tiny_patch16_224', norm_layer='rmsnorm', img_size=32)  # what the message offers
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+
+
+def test_convert_to_folder_refuses_negative_sizes(tmp_path):
+    """The library call behind convert.py: a negative count must not turn into 'all but the last N images'."""
+    from timm_affinediv.convert import ConversionError
+    from timm_affinediv.workflow import convert_to_folder
+    with pytest.raises(ConversionError, match='calib_batches must be >= 0'):
+        convert_to_folder(timm.create_model('test_resnet'), str(tmp_path / 'out'), calib_batches=-1)
+    assert not (tmp_path / 'out').exists()

@@ -84,6 +84,9 @@ def convert_to_folder(
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
+    if calib_batches < 0 or batch_size < 1 or (eval_images is not None and eval_images < 1):
+        raise ConversionError(f'calib_batches must be >= 0 (got {calib_batches}), batch_size >= 1 (got {batch_size}), '
+                              f'eval_images >= 1 or None (got {eval_images}).')
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calibration = None
     if calib_batches:
