@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
     parser.add_argument('--batch-size', type=positive_int, default=8)
     parser.add_argument('--img-size', type=positive_int, default=224)
-    parser.add_argument('--threads', type=positive_int, default=None, help='torch intra-op threads (default: all cores)')
+    parser.add_argument('--threads', type=positive_int, default=None,
+                        help='torch intra-op threads (default: all cores)')
     args = parser.parse_args(argv)
     if args.reps < 4:
         parser.error(f'--reps {args.reps}: quartiles of the per-round ratios need at least 4 rounds')

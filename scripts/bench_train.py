@@ -69,7 +69,8 @@ def python_dict(text: str) -> dict:
 def main(argv=None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--model', default='resnet18', type=timm_model_name)
-    p.add_argument('--model-kwargs', default={}, type=python_dict, help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
+    p.add_argument('--model-kwargs', default={}, type=python_dict,
+                   help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
     p.add_argument('-b', '--batch-size', type=positive_int, default=64)
     p.add_argument('--steps', type=positive_int, default=20, help='batches per round')
     p.add_argument('--rounds', type=positive_int, default=6)

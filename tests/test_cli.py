@@ -59,7 +59,8 @@ def finished_run(tmp_path) -> Path:
     (('--calib-batches', '-1'), 'argument --calib-batches: -1 is not an integer >= 0'),
     (('--calib-data', 'no/such/folder'), 'argument --calib-data: no/such/folder does not exist'),
     (('--model', 'local-dir:no/such/folder'), 'argument --model: no/such/folder does not exist'),
-    (('--model', 'resnet18', '--checkpoint', 'missing.safetensors'), 'argument --checkpoint: missing.safetensors does not exist'),
+    (('--model', 'resnet18', '--checkpoint', 'missing.safetensors'),
+     'argument --checkpoint: missing.safetensors does not exist'),
 ])
 def test_convert_bad_arguments(argv, message, tmp_path, capsys):
     line = _run('convert', *argv, '--output', str(tmp_path / 'out'), capsys=capsys)
@@ -96,7 +97,8 @@ def test_finetune_keeps_a_finished_run(finished_run, capsys):
 
 @pytest.mark.parametrize('argv, message', [
     (('--model', 'resnet18', '--norm', 'foonorm'), "argument --norm: unknown norm layer 'foonorm'"),
-    (('--model', 'resnet18', '--checkpoint', 'no/such.safetensors'), 'argument --checkpoint: no/such.safetensors does not exist'),
+    (('--model', 'resnet18', '--checkpoint', 'no/such.safetensors'),
+     'argument --checkpoint: no/such.safetensors does not exist'),
     (('--model', 'resnet18', '--samples', '0'), 'argument --samples: 0 is not a positive integer'),
 ])
 def test_divergence_report_bad_arguments(argv, message, capsys):
@@ -105,7 +107,8 @@ def test_divergence_report_bad_arguments(argv, message, capsys):
 
 def test_divergence_report_keeps_an_earlier_report(tmp_path, capsys):
     (tmp_path / 'report.md').write_text('earlier')
-    line = _run('divergence_report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path), capsys=capsys)
+    line = _run('divergence_report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path),
+                capsys=capsys)
     assert 'holds earlier results (report.md)' in line
     assert _snapshot(tmp_path) == {Path('report.md'): b'earlier'}
 

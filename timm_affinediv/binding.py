@@ -161,7 +161,7 @@ def _check_slot_layouts(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> No
                 f"norm_layer='patchnorm' does not fit {type(model).__name__}: its norm {name} takes tensors of shape "
                 f"{shape}, whose dim {slot.channel_dim} is not its {slot.num_features} channels ({type(slot).__name__} "
                 f"binds to convolutions over (N, C, H, W) maps). Use patchnorm in convolutional models (ResNet, "
-                f"ConvNeXt, ...); for token models (ViT) use a normaliser over the last dim, e.g. norm_layer='rmsnorm'.")
+                "ConvNeXt, ...); for token models (ViT) use a normaliser over the last dim, e.g. norm_layer='rmsnorm'.")
 
 
 def _needs_layout_check(binding: SlotBinding, modules: Dict[str, nn.Module]) -> bool:

@@ -15,18 +15,20 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import timm
 from timm.layers import create_norm, create_norm_act
 
+from .binding import SlotLayoutError
 from .convert import ConversionError
 from .data import DataError
 from .hub import HubError
 from .train import TrainingError
 
 __all__ = [
-    'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float', 'unit_interval',
-    'existing_path', 'existing_file', 'existing_dir', 'norm_name', 'timm_model_name', 'model_name',
+    'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
+    'unit_interval', 'existing_path', 'existing_file', 'existing_dir', 'norm_name', 'timm_model_name', 'model_name',
     'refuse_existing_output', 'run_main']
 
 #: Errors that report bad input (arguments, files, data), not a bug: one line and exit status 2, no traceback.
-USER_ERRORS = (ConversionError, DataError, HubError, TrainingError, FileExistsError, FileNotFoundError)
+USER_ERRORS = (
+    ConversionError, DataError, HubError, TrainingError, SlotLayoutError, FileExistsError, FileNotFoundError)
 WEIGHTS_PREFIXES = ('hf-hub:', 'local-dir:')
 
 

@@ -117,9 +117,9 @@ def save_hub_folder(
         metrics: Measured metrics for the card's ``model-index``, e.g. ``{'top1': 91.2}``.
         extra_files: File name -> text or bytes, written beside the model; a ``metrics.png`` is shown in the card.
         data_config: The preprocessing the weights were trained with (``input_size``, ``mean``, ``std``, ...);
-            default: that in the model's ``pretrained_cfg``, at its current input size. ``config.json``'s ``pretrained_cfg``
-            describes these weights: this preprocessing, the class count, the pool size at this input size, and
-            none of the source checkpoint's tag, paper or test-time size.
+            default: that in the model's ``pretrained_cfg``, at its current input size. ``config.json``'s
+            ``pretrained_cfg`` describes these weights: this preprocessing, the class count, the pool size at this
+            input size, and none of the source checkpoint's tag, paper or test-time size.
         overwrite: Replace an existing ``output_dir``.
 
     Returns:
@@ -290,7 +290,8 @@ def render_model_card(
         eval_results=eval_results,
         **fields,
     )
-    eval_set = eval_set or (f'the {dataset_split} split of {dataset_name or datasets[0]}' if datasets else 'not recorded')
+    if not eval_set:
+        eval_set = f'the {dataset_split} split of {dataset_name or datasets[0]}' if datasets else 'not recorded'
     results = '\n'.join(f'| {r.metric_name} | {eval_set} | {r.metric_value} |' for r in eval_results or [])
     base_model = ' '.join(filter(None, [f'[{data.base_model}](https://huggingface.co/{data.base_model})'
                                         if data.base_model else None, base_model_description]))
