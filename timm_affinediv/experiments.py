@@ -79,11 +79,11 @@ class Config:
 
 
 FULL = dict(
-    mlp=Config(10000, 2000, 10000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3), seeds=3,
-               widths=(16, 128, 512), depths=(2, 4), activations=('tanh', 'leaky_relu')),
-    batch=Config(10000, 2000, 10000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0), seeds=5,
-                 batch_sizes=(16, 32, 64, 128, 256, 512), steps=500),
-    conv=Config(6000, 2000, 10000, epochs=4, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
+    mlp=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3), seeds=3,
+               widths=(16, 64, 256), depths=(2, 4), activations=('tanh', 'leaky_relu')),
+    batch=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0), seeds=5,
+                 batch_sizes=(16, 32, 64, 128, 256, 512), steps=300, widths=(128,)),
+    conv=Config(4000, 1000, 5000, epochs=3, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
 )
 QUICK = dict(
     mlp=Config(512, 256, 256, epochs=1, lrs=(0.03, 0.3), seeds=2, widths=(16, 32), depths=(1, 2),
