@@ -183,7 +183,7 @@ def test_worker_processes_give_the_runs_of_one_process_and_a_rerun_resumes(tmp_p
     again = run_experiment('mlp', str(tmp_path / 'two'), config=TINY_MLP, log=lines.append)
     assert again == two and lines == ['6 of 6 runs already recorded, skipped', '6 of 6 runs already recorded, skipped']
     assert (tmp_path / 'two' / 'mlp.md').read_text() == table
-    with pytest.raises(ValueError, match='another budget'):
+    with pytest.raises(ValueError, match='other data sizes'):
         run_experiment('mlp', str(tmp_path / 'two'), config=dataclasses.replace(TINY_MLP, n_val=16))
 
 

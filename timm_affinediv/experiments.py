@@ -78,10 +78,11 @@ class Config:
     activations: Tuple[str, ...] = ('leaky_relu',)
 
 
+# the norm-like layer's update factor is 2 where a plain layer's is about its fan-in: it takes larger rates
 FULL = dict(
-    mlp=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3), seeds=3,
+    mlp=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0), seeds=3,
                widths=(16, 64, 256), depths=(2, 4), activations=('tanh', 'leaky_relu')),
-    batch=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0), seeds=5,
+    batch=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0), seeds=5,
                  batch_sizes=(16, 32, 64, 128, 256, 512), steps=300, widths=(128,)),
     conv=Config(4000, 1000, 5000, epochs=3, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
 )
@@ -317,18 +318,26 @@ def _data(config: Config, size: int, root: Optional[str]) -> Splits:
     return _DATA[key]
 
 
+_DATA_FIELDS = ('n_train', 'n_val', 'n_test')
+
+
 def _run_path(runs_dir: Path, setting: Setting, lr: float, seed: int) -> Path:
     return runs_dir / f'{setting.name}-lr{lr:g}-seed{seed}.json'
 
 
 def _load_run(path: Path, config: Config) -> Optional[RunResult]:
-    """A run's record, if it was written; a record of another budget is refused rather than mixed in."""
+    """ A run's record, if it was written.
+
+    The file name fixes the setting, rate and seed; a record trained on other data sizes is refused
+    rather than mixed in (another rate grid or seed count reuses the records).
+    """
     if not path.exists():
         return None
     record = json.loads(path.read_text())
-    if record['config'] != json.loads(json.dumps(asdict(config))):
+    data = {k: record['config'][k] for k in _DATA_FIELDS}
+    if data != {k: getattr(config, k) for k in _DATA_FIELDS}:
         raise ValueError(
-            f"{path} was written with another budget ({record['config']}); use another --output folder "
+            f"{path} was trained on other data sizes ({data}); use another --output folder "
             "or delete its runs/ folder to start over")
     return RunResult(**record['run'])
 
@@ -462,6 +471,13 @@ def _mlp_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, object],
         n_gt_rest_cells=sum(c['n_gt_rest'] for c in analysis_cells), n_cells=len(analysis_cells),
         gap_grows_with_width=sum(gs[-1] > gs[0] for _, _, gs in by_width), width_series=len(by_width),
         gap_grows_with_depth=sum(gs[-1] > gs[0] for _, _, gs in by_depth), depth_series=len(by_depth))
+    analysis['affinediv_vs'] = {}
+    lines.append('')
+    for v in MLP_VARIANTS[:-1]:
+        diffs = [by['affinediv']['test_mean'] - by[v]['test_mean'] for by in cells.values()]
+        analysis['affinediv_vs'][v] = dict(cells_won=sum(d > 0 for d in diffs), mean_diff=float(np.mean(diffs)))
+        lines.append(f'- affine-like minus {LABELS[v]}: ahead in {sum(d > 0 for d in diffs)}/{len(diffs)} cells, '
+                     f'mean {np.mean(diffs):+.2f}, range {min(diffs):+.2f} to {max(diffs):+.2f} points')
     lines.append(f"\ngap larger at the largest than at the smallest width in {analysis['gap_grows_with_width']}"
                  f"/{len(by_width)} series, at the largest depth than the smallest in "
                  f"{analysis['gap_grows_with_depth']}/{len(by_depth)}")
