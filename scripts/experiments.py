@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Fashion-MNIST experiments testing the affine divergence paper's claims (see timm_affinediv.experiments).
 
-    python scripts/experiments.py --output docs/results --overwrite  # all three, full budget, over the last results
-    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, minutes
+    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
+    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, seconds
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
-Writes <experiment>.json (every run), <experiment>.md (table) and <experiment>.png per experiment.
+Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per
+experiment, and one JSON per run under runs/<experiment>/: a rerun into the same folder skips the
+runs already recorded, so an interrupted grid continues where it stopped.
 """
 import argparse
 import sys
@@ -24,17 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--seed', type=int, default=0, help='first seed; the lr is tuned with it (default 0)')
     parser.add_argument('--output', required=True, help='folder for the tables, plots and run records')
     parser.add_argument('--data-root', type=existing_dir, help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
-    parser.add_argument('--threads', type=positive_int, default=1, help='torch CPU threads (default 1)')
-    parser.add_argument('--overwrite', action='store_true', help="replace the experiments' earlier results in --output")
+    parser.add_argument('--workers', type=positive_int, default=1,
+                        help='worker processes, one run and one torch thread each (default 1: in this process)')
+    parser.add_argument('--overwrite', action='store_true',
+                        help="replace the experiments' earlier tables in --output (run records already there are reused)")
     args = parser.parse_args(argv)
     experiments = args.only or EXPERIMENTS
     if not args.overwrite:
         refuse_existing_output(args.output, names=[f'{e}.{ext}' for e in experiments for ext in ('json', 'md', 'png')])
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     for experiment in experiments:
-        run_experiment(experiment, args.output, seed=args.seed, quick=args.quick,
-                       data_root=args.data_root, log=lambda line: print(line, flush=True))
+        run_experiment(experiment, args.output, seed=args.seed, quick=args.quick, data_root=args.data_root,
+                       workers=args.workers, log=lambda line: print(line, flush=True))
         print(f'wrote {args.output}/{experiment}.{{json,md,png}}', flush=True)
     return 0
 

@@ -1,4 +1,6 @@
 """Evidence tooling: the divergence report (measured factors, table, plots) and the experiments' quick mode."""
+import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -12,8 +14,10 @@ import torch.nn as nn
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
 from timm_affinediv import AffineDivLinear, PatchNormConv2d
 from timm_affinediv.diagnostics import divergence_report, format_report
+from timm_affinediv import L2NormLinear
 from timm_affinediv.experiments import (
-    BATCH_VARIANTS, CONV_VARIANTS, MLP_VARIANTS, QUICK, Splits, mlp_model, train_run)
+    CONV_MODELS, MLP_VARIANTS, QUICK, Config, Splits, mlp_model, run_experiment, settings, slope_interval,
+    train_run)
 
 ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
@@ -120,33 +124,98 @@ def _synthetic_splits(n: int = 64) -> Splits:
 
 def test_a_run_is_determined_by_its_seed():
     data = _synthetic_splits()
-    runs = [train_run('t', 'affinediv', mlp_model, data, 0.05, 16, 2, seed) for seed in (3, 3, 4)]
+    build = functools.partial(mlp_model, 'affinediv', 32, 2, 'tanh')
+    runs = [train_run(build, data, 0.05, 16, seed, epochs=2) for seed in (3, 3, 4)]
     assert runs[0].train_loss == runs[1].train_loss and runs[0].test_acc == runs[1].test_acc
     assert runs[0].train_loss != runs[2].train_loss
-    assert not runs[0].diverged and runs[0].wall_s > 0
+    assert not runs[0].diverged and runs[0].wall_s > 0 and runs[0].steps == 2 * (64 // 16)
+
+
+def test_fixed_updates_take_that_many_steps_at_any_batch_size():
+    data = _synthetic_splits()
+    build = functools.partial(mlp_model, 'linear', 8, 1, 'tanh')
+    assert [train_run(build, data, 0.01, b, 0, steps=7).steps for b in (8, 32, 64)] == [7, 7, 7]
+    with pytest.raises(ValueError, match='epochs or steps'):
+        train_run(build, data, 0.01, 8, 0)
+    with pytest.raises(ValueError, match='exceeds'):
+        train_run(build, data, 0.01, 128, 0, epochs=1)
 
 
 def test_a_diverging_run_is_marked():
-    run = train_run('t', 'linear', mlp_model, _synthetic_splits(), 1e6, 16, 1, 0)
+    run = train_run(functools.partial(mlp_model, 'linear'), _synthetic_splits(), 1e6, 16, 0, epochs=1)
     assert run.diverged
 
 
+@pytest.mark.parametrize('variant', MLP_VARIANTS)
+def test_ablation_variants_are_parameterless_but_for_their_affine_maps(variant):
+    model = mlp_model(variant, width=16, depth=3, act='leaky_relu')
+    affine = {'l2normlinear': L2NormLinear, 'affinediv': AffineDivLinear}.get(variant, nn.Linear)
+    maps = [m for m in model if isinstance(m, nn.Linear)]
+    assert len(maps) == 4 and all(type(m) is affine for m in maps)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for m in maps for p in m.parameters())
+    assert sum(isinstance(m, nn.LeakyReLU) for m in model) == 3
+    assert model(torch.randn(5, 1, 28, 28)).shape == (5, 10)
+    with pytest.raises(ValueError, match='activation'):
+        mlp_model(variant, act='gelu')
+
+
+def test_slope_interval_is_a_t_interval_over_seeds():
+    mean, half = slope_interval([1.0, 2.0, 3.0])
+    assert mean == pytest.approx(2.0) and half == pytest.approx(4.303 / 3 ** 0.5, rel=1e-4)
+    with pytest.raises(ValueError, match='2 to'):
+        slope_interval([1.0])
+
+
+TINY_MLP = Config(128, 32, 32, epochs=1, lrs=(0.1,), seeds=2, batch_sizes=(32,), widths=(8,), depths=(1,),
+                  activations=('tanh',))
+
+
 @pytest.mark.skipif(not os.path.exists(FASHION_MNIST), reason='needs Debian dataset-fashion-mnist')
-@pytest.mark.skipif(importlib.util.find_spec('timm_affinediv.data') is None, reason='needs timm_affinediv.data')
+def test_worker_processes_give_the_runs_of_one_process_and_a_rerun_resumes(tmp_path):
+    one = run_experiment('mlp', str(tmp_path / 'one'), config=TINY_MLP, log=lambda line: None)
+    lines = []
+    two = run_experiment('mlp', str(tmp_path / 'two'), config=TINY_MLP, workers=2, log=lines.append)
+    assert [r['test_by_seed'] for r in one] == [r['test_by_seed'] for r in two] and len(lines) == 12
+    # a second run into the same folder trains nothing and writes the same tables
+    table = (tmp_path / 'two' / 'mlp.md').read_text()
+    (tmp_path / 'two' / 'mlp.md').unlink()
+    lines.clear()
+    again = run_experiment('mlp', str(tmp_path / 'two'), config=TINY_MLP, log=lines.append)
+    assert again == two and lines == ['6 of 6 runs already recorded, skipped', '6 of 6 runs already recorded, skipped']
+    assert (tmp_path / 'two' / 'mlp.md').read_text() == table
+    with pytest.raises(ValueError, match='other data sizes'):
+        run_experiment('mlp', str(tmp_path / 'two'), config=dataclasses.replace(TINY_MLP, n_val=16))
+
+
+@pytest.mark.skipif(not os.path.exists(FASHION_MNIST), reason='needs Debian dataset-fashion-mnist')
 def test_quick_experiments_write_tables_plots_and_records(tmp_path):
     assert _script('experiments').main(['--quick', '--seed', '1', '--output', str(tmp_path)]) == 0
-    for experiment, variants in (('mlp', MLP_VARIANTS), ('conv', CONV_VARIANTS), ('batch', BATCH_VARIANTS)):
+    for experiment in ('mlp', 'batch', 'conv'):
         config = QUICK[experiment]
         record = json.loads((tmp_path / f'{experiment}.json').read_text())
         rows = record['rows']
-        assert [(r['variant'], r['batch_size']) for r in rows] == [
-            (v, b) for v in variants for b in config.batch_sizes]
+        assert [(r['model'], r['variant'], r['batch_size'], r['width'], r['depth'], r['act'], r['epochs'],
+                 r['steps']) for r in rows] == [
+            (s.model, s.variant, s.batch_size, s.width, s.depth, s.act, s.epochs, s.steps)
+            for s in settings(experiment, config)]
         for r in rows:
-            assert r['seeds'] == config.seeds and r['lr'] in config.lrs
-            assert 0 <= r['test_mean'] <= 100 and r['test_std'] >= 0 and r['wall_s_per_run'] > 0
+            assert r['seeds'] == config.seeds and r['lr'] in config.lrs and len(r['test_by_seed']) == config.seeds
+            assert 0 <= r['test_mean'] <= 100 and r['test_std'] >= 0 and r['cpu_s_per_run'] > 0
             assert set(r['sweep_val']) == {f'{lr:g}' for lr in config.lrs}
         expected_runs = len(rows) * (len(config.lrs) + config.seeds - 1)
         assert len(record['runs']) == expected_runs and {r['seed'] for r in record['runs']} == {1, 2}
-        table = (tmp_path / f'{experiment}.md').read_text()
-        assert sum(line.startswith('| ') for line in table.splitlines()) == len(rows) + 1
+        assert len(list((tmp_path / 'runs' / experiment).glob('*.json'))) == expected_runs
         assert _is_png(tmp_path / f'{experiment}.png')
+    mlp = json.loads((tmp_path / 'mlp.json').read_text())
+    cells = len(QUICK['mlp'].widths) * len(QUICK['mlp'].depths) * len(QUICK['mlp'].activations)
+    assert len(mlp['analysis']['cells']) == cells and all(
+        sorted(c['ranking']) == sorted(MLP_VARIANTS) for c in mlp['analysis']['cells'])
+    assert sum(mlp['analysis']['mean_rank'].values()) == pytest.approx(sum(range(1, len(MLP_VARIANTS) + 1)))
+    table = (tmp_path / 'mlp.md').read_text()
+    assert sum(line.startswith('| ') for line in table.splitlines()) == cells + 2  # header, cells, mean rank
+    slopes = json.loads((tmp_path / 'batch.json').read_text())['analysis']['slopes']
+    assert set(slopes) == {'epochs', 'updates'}
+    for schedule in slopes.values():
+        assert len(schedule['affinediv']['per_seed']) == QUICK['batch'].seeds and schedule['affinediv']['ci95'] >= 0
+    conv = json.loads((tmp_path / 'conv.json').read_text())['rows']
+    assert [(r['model'], r['variant']) for r in conv] == [(m, v) for m, vs in CONV_MODELS.items() for v in vs]

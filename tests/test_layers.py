@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm_affinediv import (
-    AffineDivLinear, L2Norm, L2Norm2d, PatchNorm2d, PatchNormConv2d, divergence_constant, update_factor)
+    AffineDivLinear, L2Norm, L2Norm2d, L2NormLinear, PatchNorm2d, PatchNormConv2d, divergence_constant,
+    update_factor)
 
 
 
@@ -257,14 +258,42 @@ def test_l2_normaliser(cls, dim, scale):
         torch.testing.assert_close(factor, torch.full_like(factor, c + 1.0), rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('scale', ['l2', 'rms'])
+def test_l2_norm_linear(bias, scale):
+    """The norm-like layer: W x/|x| + b, scale-invariant, one update factor (c + 1, or c) for every sample."""
+    torch.manual_seed(0)
+    lin = L2NormLinear(7, 5, bias=bias, scale=scale)
+    x = torch.randn(3, 4, 7) * torch.tensor([0.1, 1.0, 100.0]).view(3, 1, 1)     # norms over three decades
+    c = 7 if scale == 'rms' else 1
+    expected = F.linear(x / (x.square().sum(-1, keepdim=True) / c + lin.eps).sqrt(), lin.weight, lin.bias)
+    torch.testing.assert_close(lin(x), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lin(x * 1e7), lin(x * 1e4), rtol=1e-9, atol=1e-12)  # |x|^2 >> eps: scale-invariant
+    assert torch.equal(lin(torch.zeros(2, 7)), lin.bias.expand(2, 5) if bias else torch.zeros(2, 5))
+    plain = nn.Linear(7, 5, bias=bias)
+    plain.load_state_dict(lin.state_dict())
+    for index in [(0, 0, slice(None)), (1, 2, slice(None)), (2, 3, slice(None))]:
+        factor = update_factor(lambda: lin(x), [lin.weight, lin.bias], index)
+        # |x / sqrt(|x|^2 / c + eps)|^2 (+ 1): eps moves it by ~c eps / |x|^2 < 5e-4 (smallest |x|^2 ~ 0.05)
+        torch.testing.assert_close(factor, torch.full_like(factor, c + float(bias)), rtol=5e-4, atol=0)
+        plain_factor = update_factor(lambda: plain(x), [plain.weight, plain.bias], index)
+        sq = x[index[:2]].square().sum() + float(bias)                    # the plain layer's: |x|^2 (+1), 0.05 to 7e4
+        torch.testing.assert_close(plain_factor, sq.expand(5), rtol=1e-7, atol=0)
+    with pytest.raises(ValueError, match='in_features=7'):
+        lin(torch.randn(2, 6))
+    with pytest.raises(ValueError, match='scale'):
+        L2NormLinear(7, 5, scale='max')
+
+
 @pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
 def test_half_precision_does_not_overflow(dtype):
     """|P|^2 of large float16 activations exceeds 65504; the norms are taken in float32."""
     conv = PatchNormConv2d(16, 8, 3, padding=1).float()
     lin = AffineDivLinear(64, 8).float()
+    norm_lin = L2NormLinear(64, 8).float()
     x = torch.randn(2, 16, 6, 6, dtype=torch.float32) * 200
     v = torch.randn(2, 64, dtype=torch.float32) * 200
-    for layer, inp in [(conv, x), (lin, v)]:
+    for layer, inp in [(conv, x), (lin, v), (norm_lin, v)]:
         expected = layer(inp)
         out = layer.to(dtype)(inp.to(dtype))
         assert out.dtype == dtype and torch.isfinite(out).all()

@@ -7,7 +7,7 @@ from .binding import bind_patchnorm, describe_slots, divergence_corrected
 from .convert import ConversionError, ConversionReport, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
 from .hub import HubError, push_to_hub, save_hub_folder
-from .norm import L2Norm, L2Norm2d, l2_normalise
+from .norm import L2Norm, L2Norm2d, L2NormLinear, l2_normalise
 from .register import register
 from .slot import (
     AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding)

@@ -1,4 +1,4 @@
-""" The normalisers the affine divergence derives: L2Norm and L2Norm2d
+""" The normalisers the affine divergence derives: L2Norm, L2Norm2d and L2NormLinear
 
 Normalising the input of an affine layer to a fixed norm makes its divergence factor
 `|x|^2 + 1` a constant that the learning rate absorbs:
@@ -7,14 +7,16 @@ Normalising the input of an affine layer to a fixed norm makes its divergence fa
 
 with `c = 1` (`scale="l2"`, the L2 normaliser `x / |x|`) or `c = n`, the number of features
 (`scale="rms"`, the RMS normaliser `sqrt(n) x / |x|`, timm's `rmsnorm`). Norms in float32.
+`L2NormLinear` is the paper's "norm-like" layer: the normaliser fused right before an affine map.
 """
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-from .affine_div import _check_scale, at_least_float32
+from .affine_div import _check_last_dim, _check_scale, at_least_float32
 
-__all__ = ['L2Norm', 'L2Norm2d', 'l2_normalise']
+__all__ = ['L2Norm', 'L2Norm2d', 'L2NormLinear', 'l2_normalise']
 
 
 def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6) -> torch.Tensor:
@@ -64,6 +66,31 @@ class L2Norm2d(L2Norm):
     `y = weight * x / sqrt(|x|^2 / c + eps) + bias`, `|x|` over C, `c = 1` ("l2") or C ("rms").
     """
     channel_dim = 1
+
+
+@register_notrace_module
+class L2NormLinear(nn.Linear):
+    """ The paper's norm-like layer: an affine map of the L2-normalised input, a drop-in for `nn.Linear`.
+
+    `y = W x / sqrt(|x|^2 / c + eps) + b` over the last dimension, `c = 1` for `scale="l2"` (the
+    paper's `x / |x|`, default) or `in_features` for "rms"; `eps = 1e-6` keeps a zero input finite
+    (it maps to zero). The input's norm is fixed, so one SGD step on `weight` and `bias` moves `y` by
+    `-lr * (c + 1) * dL/dy` (`c` without a bias) for every sample, up to `eps`: 2 for "l2" with a bias.
+    Scale-invariant in `x` (unlike `AffineDivLinear`); no parameters beyond `nn.Linear`'s.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, scale: str = 'l2',
+                 eps: float = 1e-6, **kwargs):
+        super().__init__(in_features, out_features, bias=bias, **kwargs)
+        self.scale = _check_scale(scale)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(x, self.in_features, type(self).__name__)
+        return F.linear(l2_normalise(x, -1, self.scale, self.eps), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f'{super().extra_repr()}, scale={self.scale}, eps={self.eps}'
 
 
 def channel_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, channel_dim: int) -> torch.Tensor:
