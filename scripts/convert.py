@@ -4,6 +4,12 @@
     python scripts/convert.py --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
         --calib-data fashion-mnist --calib-batches 32 --output runs/resnet18-patchnorm
     python scripts/convert.py --model local-dir:runs/baseline --output runs/converted
+    python scripts/convert.py --model resnet50.a1_in1k --pretrained --calib-data PATH --calib-images 1024 \
+        --eval-images 0 --output runs/resnet50-patchnorm
+
+With an image folder (`PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) the images
+are read with the model's own eval transforms (timm `resolve_data_config` of its `pretrained_cfg`:
+size, crop, mean and std).
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
@@ -23,6 +29,7 @@ from timm_affinediv.workflow import convert_to_folder, load_trained_model
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--model', required=True, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
+    parser.add_argument('--pretrained', action='store_true', help="timm's pretrained weights for the model name")
     parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
     parser.add_argument('--num-classes', type=int, help='classes of the checkpoint (timm model name only)')
     parser.add_argument('--in-chans', type=int, help='input channels of the checkpoint (timm model name only)')
@@ -33,8 +40,13 @@ def main(argv=None) -> int:
                         help="'fashion-mnist' (built in) or a folder of class sub-folders (<dir>/train/<class>/*)")
     parser.add_argument('--data-dir', help='Fashion-MNIST folder, when not the Debian default')
     parser.add_argument('--calib-batches', type=int, default=32, help='0: the analytic map only')
+    parser.add_argument('--calib-images', type=int, help='calibration images (default: --calib-batches x --batch-size)')
     parser.add_argument('-b', '--batch-size', type=int, default=64)
-    parser.add_argument('--eval-images', type=int, help='validation images for the top-1 figures (default: all)')
+    parser.add_argument('--eval-images', type=int,
+                        help='validation images for the top-1 figures (default: all; 0: no evaluation)')
+    parser.add_argument('--device', default='auto', help="'cpu', 'cuda' or 'auto' (CUDA when available)")
+    parser.add_argument('--calib-memory', type=float, default=4.0,
+                        help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     args = parser.parse_args(argv)
@@ -50,17 +62,19 @@ def main(argv=None) -> int:
             create_kwargs['num_classes'] = args.num_classes
         if args.in_chans:
             create_kwargs['in_chans'] = args.in_chans
-        model = load_trained_model(args.model, args.checkpoint, **create_kwargs)
+        model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **create_kwargs)
         converted, report, metrics = convert_to_folder(
             model, args.output, norm=args.norm, dataset=dataset, data_dir=data_dir,
-            calib_batches=args.calib_batches, batch_size=args.batch_size, eval_images=args.eval_images,
+            calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
+            eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
             base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else None,
             overwrite=args.overwrite, **model_kwargs)
     except (ConversionError, DataError, FileExistsError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(report.format_table())
-    print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
+    if 'converted' in metrics:
+        print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
     print(f'wrote {Path(args.output).resolve()} (conversion_report.json beside the weights)')
     return 0
 
