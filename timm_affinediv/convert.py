@@ -8,6 +8,14 @@ one after the other in forward order, each on the inputs the converted prefix gi
 output reproduces the original model's at the same place (the norm's output for a producer, the
 layer's own output for a consumer).
 
+The calibration costs a fixed number of forward passes, whatever the depth: both models are traced
+(torch.fx) and walked over all calibration batches together, node by node in graph order, pausing at
+each corrected layer to fit it on the values cached there (the converted model's input to the layer, the
+original's output at its target); the values a later node still needs (a residual block's input, read by
+its shortcut) stay cached, within `calib_memory` bytes, and spill to a temporary folder beyond it. Each
+node thus runs once per batch: one pass of each model, plus one of the converted model for the analytic
+map's agreement, plus the fits.
+
 Each fit is a ridge-regularised least squares problem, exact and closed form: a corrected layer
 computes, for each output channel `o` and position `p`,
 
