@@ -4,17 +4,23 @@
     python scripts/convert.py --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
         --calib-data fashion-mnist --calib-batches 32 --output runs/resnet18-patchnorm
     python scripts/convert.py --model local-dir:runs/baseline --output runs/converted
+    python scripts/convert.py --model resnet50.a1_in1k --pretrained --calib-data PATH --calib-images 1024 \
+        --eval-images 0 --output runs/resnet50-patchnorm
+
+With an image folder (`PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) the images
+are read with the model's own eval transforms (timm `resolve_data_config` of its `pretrained_cfg`:
+size, crop, mean and std).
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
-import argparse
 import logging
 import sys
 from pathlib import Path
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.cli import (
-    ArgumentParser, existing_dir, existing_file, model_name, non_negative_int, positive_int, refuse_existing_output,
+    ArgumentParser, data_source, existing_dir, existing_file, model_name, non_negative_int, positive_float, positive_int,
+    refuse_existing_output,
     run_main)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
@@ -23,26 +29,29 @@ from timm.utils import ParseKwargs
 from timm_affinediv.workflow import convert_to_folder, load_trained_model
 
 
-def calibration_data(text: str) -> str:
-    """'fashion-mnist' or an existing image folder."""
-    return text if text == 'fashion-mnist' else existing_dir(text)
-
-
 def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
+    parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint or --pretrained), hf-hub:org/name or local-dir:PATH')
+    parser.add_argument('--pretrained', action='store_true', help="timm's pretrained weights for the model name")
     parser.add_argument('--checkpoint', type=existing_file, help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
     parser.add_argument('--num-classes', type=positive_int, help='classes of the checkpoint (timm model name only)')
     parser.add_argument('--in-chans', type=positive_int, help='input channels of the checkpoint (timm model name only)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='more timm.create_model arguments')
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
-    parser.add_argument('--calib-data', default='fashion-mnist', type=calibration_data,
+    parser.add_argument('--calib-data', default='fashion-mnist', type=data_source('fashion-mnist'),
                         help="'fashion-mnist' (built in) or a folder of class sub-folders (<dir>/train/<class>/*)")
     parser.add_argument('--data-dir', type=existing_dir, help='Fashion-MNIST folder, when not the Debian default')
     parser.add_argument('--calib-batches', type=non_negative_int, default=32, help='0: the analytic map only')
+    parser.add_argument('--calib-images', type=non_negative_int,
+                        help='calibration images (default: --calib-batches x --batch-size)')
     parser.add_argument('-b', '--batch-size', type=positive_int, default=64)
-    parser.add_argument('--eval-images', type=positive_int, help='validation images for the top-1 figures (default: all)')
+    parser.add_argument('--eval-images', type=non_negative_int,
+                        help='validation images for the top-1 figures (default: all; 0: no evaluation)')
+    parser.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
+                        help="'auto': CUDA when available")
+    parser.add_argument('--calib-memory', type=positive_float, default=4.0,
+                        help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     args = parser.parse_args(argv)
@@ -60,17 +69,20 @@ def main(argv=None) -> int:
             create_kwargs['num_classes'] = args.num_classes
         if args.in_chans:
             create_kwargs['in_chans'] = args.in_chans
-        model = load_trained_model(args.model, args.checkpoint, **create_kwargs)
+        model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **create_kwargs)
         converted, report, metrics = convert_to_folder(
             model, args.output, norm=args.norm, dataset=dataset, data_dir=data_dir,
-            calib_batches=args.calib_batches, batch_size=args.batch_size, eval_images=args.eval_images,
-            base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else None,
+            calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
+            eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
+            base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
+                model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
             overwrite=args.overwrite, **model_kwargs)
     except (ConversionError, DataError, FileExistsError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(report.format_table())
-    print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
+    if 'converted' in metrics:
+        print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
     print(f'wrote {Path(args.output).resolve()} (conversion_report.json beside the weights)')
     return 0
 

@@ -99,3 +99,177 @@ def test_bad_input(data):
     vit = timm.create_model('vit_tiny_patch16_224', num_classes=10, img_size=32, patch_size=8)
     with pytest.raises(ConversionError):
         convert_model(vit)
+
+
+# --- one-pass calibration against the layer-by-layer fit it replaces ---------------------------------------------
+
+class _Stop(Exception):
+    pass
+
+
+def _capture(model, module, x, want):
+    """The reference's prefix rerun: `module`'s input or output in `model(x)`, stopping the forward there."""
+    captured = []
+
+    def hook(_, args, out=None):
+        captured.append((args[0] if want == 'input' else out).detach())
+        raise _Stop
+    handle = module.register_forward_pre_hook(hook) if want == 'input' else module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(x)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def _unfold_features(layer, x):
+    """The reference's features: the full im2col by F.unfold, every position."""
+    bias = layer.bias is not None
+    if isinstance(layer, AffineDivLinear):
+        cols = x.reshape(-1, x.shape[-1]).unsqueeze(0)
+    else:
+        x = F.pad(x, layer._reversed_padding_repeated_twice)
+        cols = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
+        cols = cols.unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 2).flatten(1, 2)
+    if bias:
+        cols = torch.cat([cols, torch.ones_like(cols[..., :1])], -1)
+    sq = cols.square().sum(-1, keepdim=True)
+    return cols * (layer.divergence_constant / (sq if bias else sq + layer.eps)).sqrt()
+
+
+def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
+    """The layer-by-layer fit as it was: every layer reruns both prefixes on every batch (layers x batches)."""
+    from timm_affinediv.convert import (_NormalEquations, _as_channels, _carry_weights, _check_norms,
+                                        _layer_params, _set_layer_params, build_converted)
+    from timm_affinediv.slot import PatchNormSlot
+    converted = build_converted(model).eval()
+    _carry_weights(model, converted, _check_norms(model, converted))
+    order = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, name=name: order.append((name, mod)))
+               for name, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
+    with torch.no_grad():
+        converted(batches[0])
+    for h in handles:
+        h.remove()
+    generator = torch.Generator().manual_seed(seed)
+    original = dict(model.named_modules())
+    slots = {s.binding.producer: s for s in converted.modules()
+             if isinstance(s, PatchNormSlot) and s.binding is not None and s.binding.producer}
+    slot_paths = {id(s): n for n, s in converted.named_modules()}
+    errors = []
+    for name, layer in order:
+        slot = slots.get(name)
+        target = slot_paths[id(slot)] if slot is not None else name
+        equations = _NormalEquations()
+        for x in batches:
+            u = _unfold_features(layer, _capture(converted, layer, x, 'input'))
+            z = _as_channels(_capture(model, original[target], x, 'output'), layer.weight.shape[0],
+                             isinstance(layer, PatchNormConv2d))
+            z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)
+            if slot is not None:
+                u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
+            if u.shape[1] > positions_per_batch:
+                keep = torch.randperm(u.shape[1], generator=generator)[:positions_per_batch]
+                u, z = u[:, keep], z[:, keep]
+            equations.add(u, z)
+        v = equations.solve(_layer_params(layer, slot), ridge, free_last=slot is not None)
+        errors.append(equations.fidelity(v)[0])
+        _set_layer_params(layer, slot, v.float())
+    return converted, errors
+
+
+def _randomised(name):
+    """A model whose norms carry non-trivial statistics and affines, so that every fit has work to do."""
+    torch.manual_seed(1)
+    model = timm.create_model(name, num_classes=10, in_chans=1, **NARROW[name]).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.2)
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0, 0.3)
+                m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.mark.parametrize('name', ['resnet18', 'convnext_atto'])
+def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
+    (x, _), _ = data
+    model = _randomised(name)
+    batches = [x[i:i + 6] for i in range(0, 12, 6)]
+    reference, errors = _reference_convert(model, batches, positions_per_batch=200)
+    converted, report = convert_model(model, calibration=batches, positions_per_batch=200)
+    assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
+                                                 if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
+    np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
+    expected = reference.state_dict()
+    for key, value in converted.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
+    # the agreement the walk reports is that of the eager models
+    with torch.no_grad():
+        agree = sum((model(b).argmax(1) == converted(b).argmax(1)).sum().item() for b in batches) / 12
+    assert report.top1_agreement_calibrated == pytest.approx(agree)
+    # activations spilled to disk (no memory budget) give the very same model
+    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0)
+    for key, value in spilled.state_dict().items():
+        torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / 'scripts' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, monkeypatch):
+    from PIL import Image
+    import timm_affinediv.workflow as workflow
+    rng = np.random.default_rng(0)
+    pixels = []
+    for i in range(6):
+        (tmp_path / 'images' / f'class{i % 2}').mkdir(parents=True, exist_ok=True)
+        pixels.append(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8))
+        Image.fromarray(pixels[-1]).save(tmp_path / 'images' / f'class{i % 2}' / f'{i}.png')
+    # a checkpoint served as timm's "pretrained" weights, with a pretrained_cfg of its own preprocessing
+    weights = tmp_path / 'weights.pth'
+    torch.save(timm.create_model('resnet18', num_classes=10, **NARROW['resnet18']).state_dict(), weights)
+    mean, std, size = (0.2, 0.3, 0.4), (0.5, 0.6, 0.7), 48
+    overlay = dict(file=str(weights), mean=mean, std=std, input_size=(3, size, size), crop_pct=1.0,
+                   interpolation='bilinear', num_classes=10)
+    seen = []
+
+    def spy(model, norm, calibration, **kwargs):
+        seen.extend(calibration)
+        return convert_model(model, norm, calibration, **kwargs)
+    monkeypatch.setattr(workflow, 'convert_model', spy)
+    status = _script('convert').main([
+        '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
+        f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
+        '--calib-data', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
+        '--device', 'cpu', '--output', str(tmp_path / 'out')])
+    assert status == 0 and (tmp_path / 'out' / 'model.safetensors').is_file()
+    images = torch.cat(seen)
+    assert images.shape == (5, 3, size, size)
+    expected = []
+    for p in pixels:  # the model's own preprocessing, by hand: bilinear resize to 48, its mean and std
+        x = np.asarray(Image.fromarray(p).resize((size, size), Image.BILINEAR), dtype=np.float32) / 255
+        expected.append(torch.from_numpy((x - np.array(mean)) / np.array(std)).permute(2, 0, 1).float())
+    expected = torch.stack(expected)
+    for x in images:  # each calibration image is one of the folder's, preprocessed the model's way
+        assert (expected - x).abs().flatten(1).max(1).values.min() < 1e-4
+    report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
+    assert report['calibration_images'] == 5 and report['layers']
+
+
+def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
+    overlay = dict(file=str(tmp_path / 'absent.pth'))
+    status = _script('convert').main(['--model', 'resnet18', '--pretrained', '--model-kwargs',
+                                      f'pretrained_cfg_overlay={overlay!r}', '--output', str(tmp_path / 'out')])
+    assert status == 2 and 'cannot' in capsys.readouterr().err and not (tmp_path / 'out').exists()

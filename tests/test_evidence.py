@@ -105,7 +105,8 @@ def test_report_refuses_bad_input():
 def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path, capsys):
     script = _script('divergence_report')
     assert script.main(['--model', 'resnet10t', '--norm', 'patchnorm', '--data', 'random', '--batch-size', '4',
-                        '--samples', '2', '--positions', '1', '--output', str(tmp_path)]) == 0
+                        '--in-chans', '1', '--img-size', '32', '--samples', '2', '--positions', '1',
+                        '--output', str(tmp_path)]) == 0
     record = json.loads((tmp_path / 'report.json').read_text())
     layers = record['layers']
     assert len(layers) == 15 and record['norm'] == 'patchnorm'  # 3 stem convs, 4 blocks x 2, 3 downsamples, fc
@@ -114,6 +115,22 @@ def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path
     pngs = sorted((tmp_path / 'layers').glob('*.png'))
     assert len(pngs) == len(layers) + 1 and all(_is_png(p) for p in pngs)
     assert all(l['spread'] == pytest.approx(1, abs=1e-9) for l in layers if l['corrected'])
+
+
+def test_divergence_report_script_measures_given_weights_or_refuses(tmp_path, capsys):
+    script = _script('divergence_report')
+    model = timm.create_model('resnet10t', num_classes=5)
+    torch.save(model.state_dict(), tmp_path / 'weights.pth')
+    argv = ['--model', 'resnet10t', '--num-classes', '5', '--data', 'random', '--img-size', '40', '--batch-size', '2',
+            '--samples', '1', '--positions', '1', '--output', str(tmp_path / 'out')]
+    assert script.main(argv + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 0
+    record = json.loads((tmp_path / 'out' / 'report.json').read_text())
+    assert record['weights'] == 'trained weights' and record['input_shape'] == [3, 40, 40]
+    # weights that do not fit, or are not there: an error, never a random model measured instead
+    assert script.main(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 2
+    assert script.main(argv + ['--checkpoint', str(tmp_path / 'absent.pth')]) == 2
+    assert script.main(['--model', f'local-dir:{tmp_path / "absent"}', '--data', 'random']) == 2
+    assert capsys.readouterr().err.count('error:') == 3
 
 
 def _synthetic_splits(n: int = 64) -> Splits:

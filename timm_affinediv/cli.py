@@ -23,7 +23,8 @@ from .train import TrainingError
 
 __all__ = [
     'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
-    'unit_interval', 'existing_path', 'existing_file', 'existing_dir', 'norm_name', 'timm_model_name', 'model_name',
+    'unit_interval', 'existing_path', 'existing_file', 'existing_dir', 'data_source', 'norm_name', 'timm_model_name',
+    'model_name',
     'refuse_existing_output', 'run_main']
 
 #: Errors that report bad input (arguments, files, data), not a bug: one line and exit status 2, no traceback.
@@ -78,6 +79,13 @@ def existing_dir(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f'{text} is not a folder' if Path(text).exists() else f'{text} does not exist')
     return text
+
+
+def data_source(*names: str) -> Callable[[str], str]:
+    """One of the built-in data `names` (e.g. 'fashion-mnist'), or an existing image folder."""
+    def check(text: str) -> str:
+        return text if text in names else existing_dir(text)
+    return check
 
 
 def norm_names() -> List[str]:

@@ -8,6 +8,14 @@ one after the other in forward order, each on the inputs the converted prefix gi
 output reproduces the original model's at the same place (the norm's output for a producer, the
 layer's own output for a consumer).
 
+The calibration costs a fixed number of forward passes, whatever the depth: both models are traced
+(torch.fx) and walked over all calibration batches together, node by node in graph order, pausing at
+each corrected layer to fit it on the values cached there (the converted model's input to the layer, the
+original's output at its target); the values a later node still needs (a residual block's input, read by
+its shortcut) stay cached, within `calib_memory` bytes, and spill to a temporary folder beyond it. Each
+node thus runs once per batch: one pass of each model, plus one of the converted model for the analytic
+map's agreement, plus the fits.
+
 Each fit is a ridge-regularised least squares problem, exact and closed form: a corrected layer
 computes, for each output channel `o` and position `p`,
 
@@ -25,15 +33,20 @@ sigma + beta`, the slot gets `gamma / sigma` and `beta`, the convolution keeps `
 pre-division bias `b - mu`: exact wherever the patch's root mean square `s(P)` is 1. With
 LayerNorm the slot takes `gamma` and `beta` as they are.
 """
+import functools
 import logging
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Tuple
 
 import timm
 import torch
 import torch.nn as nn
+import torch.fx as fx
 import torch.nn.functional as F
+from timm.layers import get_notrace_functions, get_notrace_modules
 from timm.models._input import get_model_args
 
 from .affine_div import AffineDivLinear, PatchNormConv2d
@@ -165,41 +178,186 @@ def _carry_weights(model: nn.Module, converted: nn.Module, norms: Dict[str, nn.M
                 slot.bias.copy_(norm.bias)
 
 
-class _Stop(Exception):
-    pass
+class _ActivationCache:
+    """ Per-batch activations kept between two stretches of the calibration walk, within `budget` bytes.
+
+    Tensors are kept in `dtype` (float32 by default: exact; float16 halves the memory) while they fit
+    the budget; beyond it they are written to a temporary folder and read back (memory-mapped) when needed.
+    """
+
+    def __init__(self, budget: int, dtype: Optional[torch.dtype] = None):
+        self.budget = budget
+        self.dtype = dtype
+        self.used = 0
+        self._entries: Dict[Hashable, Tuple[str, Any]] = {}
+        self._folder: Optional[tempfile.TemporaryDirectory] = None
+        self._files = 0
+
+    def put(self, key: Hashable, value: Any) -> None:
+        if not isinstance(value, torch.Tensor):
+            self._entries[key] = ('object', value)
+            return
+        value = value.detach()
+        stored = value.to(self.dtype) if self.dtype is not None and value.is_floating_point() else value
+        if self.used + stored.nbytes <= self.budget:
+            self._entries[key] = ('memory', (stored, value.dtype))
+            self.used += stored.nbytes
+            return
+        if self._folder is None:
+            self._folder = tempfile.TemporaryDirectory(prefix='timm-affinediv-calib-')
+        path = os.path.join(self._folder.name, f'{self._files}.pt')
+        self._files += 1
+        torch.save(value.cpu(), path)
+        self._entries[key] = ('disk', (path, value.device))
+
+    def get(self, key: Hashable) -> Any:
+        kind, entry = self._entries[key]
+        if kind == 'object':
+            return entry
+        if kind == 'memory':
+            stored, dtype = entry
+            return stored.to(dtype)
+        path, device = entry
+        return torch.load(path, mmap=True).to(device)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def drop(self, key: Hashable) -> None:
+        kind, entry = self._entries.pop(key)
+        if kind == 'memory':
+            self.used -= entry[0].nbytes
+        elif kind == 'disk':
+            os.remove(entry[0])
+
+    def close(self) -> None:
+        self._entries.clear()
+        self.used = 0
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
 
 
-def _capture(model: nn.Module, module: nn.Module, x: torch.Tensor, want: str) -> torch.Tensor:
-    """`module`'s input (`want="input"`) or output in `model(x)`, stopping the forward there."""
-    captured = []
+class _LeafTracer(fx.Tracer):
+    """torch.fx tracing that keeps timm's leaf modules, the corrected layers and slots, and `leaves` whole."""
 
-    def hook(_, args, out=None):
-        captured.append((args[0] if want == 'input' else out).detach())
-        raise _Stop
-    handle = (module.register_forward_pre_hook(hook) if want == 'input' else module.register_forward_hook(hook))
+    def __init__(self, leaves: Iterable[str] = ()):
+        super().__init__(autowrap_functions=tuple(get_notrace_functions()))
+        self.leaves = set(leaves)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return (qualname in self.leaves or isinstance(m, (PatchNormConv2d, AffineDivLinear, PatchNormSlot))
+                or type(m) in get_notrace_modules() or super().is_leaf_module(m, qualname))
+
+
+def _trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
     try:
-        with torch.no_grad():
-            model(x)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise ConversionError(f'{type(module).__name__} is not reached by the forward pass')
-    return captured[0]
+        return fx.GraphModule(model, _LeafTracer(leaves).trace(model))
+    except Exception as e:  # torch.fx raises many kinds of errors on untraceable Python
+        raise ConversionError(
+            f'{_architecture(model)} cannot be traced by torch.fx ({type(e).__name__}: {e}); calibration walks '
+            'the traced graph. Convert without calibration data, or register the offending module with '
+            'timm.layers.register_notrace_module.') from e
 
 
-def _features(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`u = [P; 1] / s(P)` for every output position: (groups, positions, K (+1))."""
+class _GraphWalk:
+    """ A traced model run over every calibration batch one stretch of its graph at a time.
+
+    Each node runs once per batch; a value still needed by a later node is kept in the shared cache between
+    stretches. So walking the whole graph costs one forward pass, however often it is paused (to fit a layer
+    on the inputs reaching it). Residual connections need nothing special: the block input a shortcut reads
+    later stays in the cache until its last user has run.
+    """
+
+    def __init__(self, traced: fx.GraphModule, batches: List[torch.Tensor], cache: _ActivationCache):
+        self.traced = traced
+        self.modules = dict(traced.named_modules())
+        self.nodes = list(traced.graph.nodes)
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.last_use = {n: max((self.index[u] for u in n.users), default=i) for i, n in enumerate(self.nodes)}
+        self.batches = batches
+        self.cache = cache
+        self.position = 0
+        self.outputs: List[Any] = [None] * len(batches)
+
+    def calls(self, module_path: str) -> List[fx.Node]:
+        return [n for n in self.nodes if n.op == 'call_module' and n.target == module_path]
+
+    def node(self, module_path: str) -> fx.Node:
+        """The one node calling the module at `module_path`."""
+        found = self.calls(module_path)
+        if len(found) != 1:
+            raise ConversionError(f'{module_path} is called {len(found)} times by the forward pass; calibration '
+                                  'fits a layer called exactly once')
+        return found[0]
+
+    def value(self, node: fx.Node, batch: int) -> Any:
+        return self.cache.get((id(self), node, batch))
+
+    def run_until(self, node: Optional[fx.Node], inclusive: bool = False) -> None:
+        """Run every node before `node` (and `node` itself if `inclusive`; None: to the end) on every batch."""
+        stop = len(self.nodes) if node is None else self.index[node] + inclusive
+        if stop <= self.position:
+            if node is not None and inclusive and (id(self), node, 0) not in self.cache:
+                raise ConversionError(f'{node.target} was needed after the walk had passed it')
+            return
+        stretch = self.nodes[self.position:stop]
+        for b, x in enumerate(self.batches):
+            local: Dict[fx.Node, Any] = {}
+
+            def load(n: fx.Node) -> Any:
+                return local[n] if n in local else self.value(n, b)
+            for n in stretch:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), load)
+                local[n] = self._run(n, x, args, kwargs, b)
+            for n, value in local.items():
+                if self.last_use[n] >= stop:
+                    self.cache.put((id(self), n, b), value)
+        for n in self.nodes[:self.position]:  # values whose last user has now run
+            if self.position <= self.last_use[n] < stop:
+                for b in range(len(self.batches)):
+                    self.cache.drop((id(self), n, b))
+        self.position = stop
+
+    def _run(self, n: fx.Node, x: torch.Tensor, args: Tuple, kwargs: Dict, batch: int) -> Any:
+        if n.op == 'placeholder':
+            return x
+        if n.op == 'get_attr':
+            return functools.reduce(getattr, n.target.split('.'), self.traced)
+        if n.op == 'call_module':
+            return self.modules[n.target](*args, **kwargs)
+        if n.op == 'call_function':
+            return n.target(*args, **kwargs)
+        if n.op == 'call_method':
+            return getattr(args[0], n.target)(*args[1:], **kwargs)
+        self.outputs[batch] = args[0]  # 'output'
+        return None
+
+
+def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """ `u = [P; 1] / s(P)` at the output positions `keep` (all if None): (groups, positions, K (+1)).
+
+    Positions are numbered as `F.unfold` numbers them (image, then row-major output position); only the
+    kept patches are gathered, so the im2col of every position is never materialised.
+    """
     bias = layer.bias is not None
     c = layer.divergence_constant
     if isinstance(layer, AffineDivLinear):
-        cols = x.reshape(-1, x.shape[-1]).unsqueeze(0)                          # (1, L, K)
+        cols = x.reshape(-1, x.shape[-1])
+        cols = (cols if keep is None else cols[keep]).unsqueeze(0)             # (1, P, K)
     else:
         mode = 'constant' if layer.padding_mode == 'zeros' else layer.padding_mode
         x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
-        cols = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
-        cols = cols.unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 2).flatten(1, 2)   # (G, N*L, K)
+        (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
+        out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
+        out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        if keep is None:
+            keep = torch.arange(x.shape[0] * out_h * out_w, device=x.device)
+        image, at = keep.div(out_h * out_w, rounding_mode='floor'), keep.remainder(out_h * out_w)
+        rows = at.div(out_w, rounding_mode='floor')[:, None] * sh + torch.arange(kh, device=x.device) * dh
+        columns = at.remainder(out_w)[:, None] * sw + torch.arange(kw, device=x.device) * dw
+        patches = x.permute(0, 2, 3, 1)[image[:, None, None], rows[:, :, None], columns[:, None, :]]  # (P, kh, kw, C)
+        cols = patches.permute(0, 3, 1, 2).reshape(len(keep), layer.groups, -1).transpose(0, 1)   # (G, P, K)
     if bias:
         cols = torch.cat([cols, torch.ones_like(cols[..., :1])], -1)
     sq = cols.square().sum(-1, keepdim=True)
@@ -245,7 +403,7 @@ class _NormalEquations:
     def solve(self, v0: torch.Tensor, ridge: float, free_last: bool) -> torch.Tensor:
         """argmin |U v - Z|^2 + lambda |v - v0|^2, lambda = ridge * mean diag(U^T U); the last row free if asked."""
         k = self.gram.shape[-1]
-        penalty = torch.ones(k, dtype=self.gram.dtype)
+        penalty = torch.ones(k, dtype=self.gram.dtype, device=self.gram.device)
         if free_last:
             penalty[-1] = 0
         lam = ridge * self.gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)           # per group
@@ -283,21 +441,6 @@ def _set_layer_params(layer: nn.Module, slot: Optional[PatchNormSlot], v: torch.
             layer.bias.copy_(v[:, k])
 
 
-def _corrected_layers(converted: nn.Module, x: torch.Tensor) -> List[Tuple[str, nn.Module]]:
-    """The divergence-corrected layers of `converted` in the order the forward pass calls them."""
-    order, handles = [], []
-    for name, m in converted.named_modules():
-        if isinstance(m, (PatchNormConv2d, AffineDivLinear)):
-            handles.append(m.register_forward_pre_hook(lambda mod, args, name=name: order.append((name, mod))))
-    try:
-        with torch.no_grad():
-            converted(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return order
-
-
 def _images(batch) -> torch.Tensor:
     return batch[0] if isinstance(batch, (tuple, list)) else batch
 
@@ -310,13 +453,22 @@ def _check_batch(images, in_chans: int) -> None:
             f'got {shape}: use data with {in_chans} channel(s) and the size the model was trained at')
 
 
-def _agreement(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor]) -> float:
-    agree = total = 0
-    with torch.no_grad():
-        for x in batches:
-            agree += (model(x).argmax(-1) == converted(x).argmax(-1)).sum().item()
-            total += x.shape[0]
-    return agree / total
+def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
+    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(logits, other))
+    return agree / sum(len(a) for a in logits)
+
+
+def resolve_device(device: Optional[str] = None) -> torch.device:
+    """`device`, or 'auto'/None: CUDA when available, else the CPU."""
+    if device in (None, 'auto'):
+        return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ConversionError(f"unknown device {device!r}: use 'cpu', 'cuda', 'cuda:N' or 'auto'") from e
+    if device.type == 'cuda' and not torch.cuda.is_available():
+        raise ConversionError("device 'cuda' asked for, but torch sees no CUDA device: use --device cpu (or auto)")
+    return device
 
 
 def convert_model(
@@ -326,6 +478,9 @@ def convert_model(
         *,
         ridge: float = 1e-2,
         positions_per_batch: int = 2048,
+        device: Optional[str] = None,
+        calib_memory: int = 4 << 30,
+        cache_dtype: Optional[torch.dtype] = None,
         progress: bool = False,
         seed: int = 0,
         **model_kwargs,
@@ -333,7 +488,7 @@ def convert_model(
     """ Rebuild `model` (a BatchNorm/LayerNorm timm model) with `norm` ("patchnorm" or "affinediv").
 
     Args:
-        model: the trained timm model; it is not modified.
+        model: the trained timm model; it is not modified (it is moved to `device` and back).
         norm: "patchnorm" (norm slots bound to their convolutions), or "affinediv" (every Conv2d/Linear
             divergence corrected, the slots only affine).
         calibration: an iterable of image batches (or (images, labels) pairs). Without it, the
@@ -341,15 +496,22 @@ def convert_model(
         ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the
             normal equations.
         positions_per_batch: output positions sampled per batch and layer for the fit.
+        device: where the forward passes run and the normal equations are accumulated (float64) and
+            solved: 'cpu', 'cuda', or 'auto'/None (CUDA when available).
+        calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
+            they spill to a temporary folder.
+        cache_dtype: the dtype those activations are kept in (None: as computed, exact; torch.float16
+            halves the memory at float16 precision).
         progress: show a progress bar.
         **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
     Returns:
-        The converted model (in eval mode) and the report.
+        The converted model (in eval mode, on the device `model` was on) and the report.
     """
     start = time.perf_counter()
     was_training = model.training
-    model.eval()
+    home = next(model.parameters()).device
+    device = resolve_device(device)
     converted = build_converted(model, norm, **model_kwargs).eval()
     norms = _check_norms(model, converted)
     _carry_weights(model, converted, norms)
@@ -361,49 +523,80 @@ def convert_model(
         architecture=_architecture(model), norm=norm, calibration_batches=len(batches),
         calibration_images=sum(x.shape[0] for x in batches), seconds=0.0)
     if batches:
-        report.top1_agreement_analytic = _agreement(model, converted, batches)
-        _calibrate(model, converted, batches, report, ridge, positions_per_batch, progress, seed)
-        report.top1_agreement_calibrated = _agreement(model, converted, batches)
+        model.eval().to(device)
+        converted.to(device)
+        try:
+            _calibrate(model, converted, [x.to(device) for x in batches], report, ridge, positions_per_batch,
+                       _ActivationCache(calib_memory, cache_dtype), progress, seed)
+        finally:
+            model.to(home)
+        converted.to(home)
     report.seconds = time.perf_counter() - start
     model.train(was_training)
     return converted, report
 
 
-def _calibrate(model, converted, batches, report, ridge, positions_per_batch, progress, seed) -> None:
-    """Fit every corrected layer in forward order on the converted prefix's inputs (module docstring)."""
+def _calibrate(model, converted, batches, report, ridge, positions_per_batch, cache, progress, seed) -> None:
+    """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
+
+    Both models are traced and walked over all batches together (`_GraphWalk`): the converted model up to
+    the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
+    values there, then both walks go on. Each model's graph thus runs once per batch, whatever its depth.
+    """
     generator = torch.Generator().manual_seed(seed)
-    original = dict(model.named_modules())
     slots = {s.binding.producer: s for s in converted.modules()
              if isinstance(s, PatchNormSlot) and s.binding is not None and s.binding.producer}
     slot_paths = {id(s): n for n, s in converted.named_modules()}
-    layers = _corrected_layers(converted, batches[0])
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(layers) * len(batches), desc='calibrating', unit='batch', leave=False)
-    for name, layer in layers:
-        slot = slots.get(name)
-        target_path = slot_paths[id(slot)] if slot is not None else name
-        equations = _NormalEquations()
-        conv = isinstance(layer, PatchNormConv2d)
-        for x in batches:
-            u = _features(layer, _capture(converted, layer, x, 'input'))
-            z = _as_channels(_capture(model, original[target_path], x, 'output'), layer.weight.shape[0], conv)
-            z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)                  # (G, positions, out/G)
-            if slot is not None:
-                u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
-            if u.shape[1] > positions_per_batch:
-                keep = torch.randperm(u.shape[1], generator=generator)[:positions_per_batch]
-                u, z = u[:, keep], z[:, keep]
-            equations.add(u, z)
+    layers = [(n, m) for n, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
+    targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
+    with torch.no_grad():
+        analytic = [converted(x) for x in batches]
+        walk = _GraphWalk(_trace(converted), batches, cache)
+        original = _GraphWalk(_trace(model, targets.values()), batches, cache)
+        layers = sorted([(n, m) for n, m in layers if walk.calls(n)], key=lambda item: walk.index[walk.node(item[0])])
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(layers), desc='calibrating', unit='layer', leave=False)
+        try:
+            for name, layer in layers:
+                _fit_layer(name, layer, slots.get(name), targets[name], walk, original, report, ridge,
+                           positions_per_batch, generator)
+                if bar is not None:
+                    bar.update()
+            walk.run_until(None)
+            original.run_until(None)
+        finally:
+            cache.close()
             if bar is not None:
-                bar.update()
-        v0 = _layer_params(layer, slot)
-        before = equations.fidelity(v0)
-        v = equations.solve(v0, ridge, free_last=slot is not None)
-        after = equations.fidelity(v)
-        _set_layer_params(layer, slot, v.float())
-        report.layers.append(LayerFit(name, target_path, equations.count, *before, *after))
-        _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')
-    if bar is not None:
-        bar.close()
+                bar.close()
+    report.top1_agreement_analytic = _agreement(original.outputs, analytic)
+    report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
+
+
+def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, positions_per_batch, generator):
+    """Fit one layer on the inputs the converted walk gives it, to the original walk's values at `target_path`."""
+    node, target = walk.node(name), original.node(target_path)
+    walk.run_until(node)
+    original.run_until(target, inclusive=True)
+    conv = isinstance(layer, PatchNormConv2d)
+    channels = layer.weight.shape[0]
+    equations = _NormalEquations()
+    for b in range(len(walk.batches)):
+        z = _as_channels(original.value(target, b), channels, conv)
+        keep = None
+        if len(z) > positions_per_batch:  # the draw, per batch in forward order, of the layer-by-layer fit
+            keep = torch.randperm(len(z), generator=generator)[:positions_per_batch].to(z.device)
+            z = z[keep]
+        u = _features(layer, walk.value(node.args[0], b), keep)
+        z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)                      # (G, positions, out/G)
+        if slot is not None:
+            u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
+        equations.add(u, z)
+    v0 = _layer_params(layer, slot)
+    before = equations.fidelity(v0)
+    v = equations.solve(v0, ridge, free_last=slot is not None)
+    after = equations.fidelity(v)
+    _set_layer_params(layer, slot, v.float())
+    report.layers.append(LayerFit(name, target_path, equations.count, *before, *after))
+    _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')

@@ -19,25 +19,36 @@ from .train import evaluate
 __all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
 
 
-def load_trained_model(model: str, checkpoint: Optional[str] = None, **kwargs: Any) -> nn.Module:
+def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained: bool = False,
+                       **kwargs: Any) -> nn.Module:
     """ A trained timm model, in eval mode.
 
-    `model` is `hf-hub:org/name` or `local-dir:PATH` (timm loads the weights), or a timm model name whose
+    `model` is `hf-hub:org/name` or `local-dir:PATH` (timm loads the weights), a timm model name with
+    `pretrained=True` (timm's pretrained weights for it, e.g. `resnet50.a1_in1k`), or a timm model name whose
     weights come from `checkpoint` (safetensors, or a timm/PyTorch checkpoint); `kwargs` go to
-    `timm.create_model` (e.g. `num_classes`, `in_chans`, architecture arguments).
+    `timm.create_model` (e.g. `num_classes`, `in_chans`, architecture arguments). Weights that cannot be
+    loaded raise `ConversionError`: never a randomly initialised model.
     """
-    if model.startswith(('hf-hub:', 'local-dir:')):
+    if model.startswith(('hf-hub:', 'local-dir:')) or pretrained:
         if checkpoint:
-            raise ConversionError(f'{model} carries its weights: drop --checkpoint, or give a timm model name.')
+            raise ConversionError(f'{model} gets its weights from {"timm" if pretrained else "there"}: '
+                                  'drop --checkpoint (or --pretrained).')
+        if pretrained and not timm.is_model(model):
+            raise ConversionError(f"unknown model '{model}': give a timm model name (timm.list_models(pretrained=True)).")
         try:
             return timm.create_model(model, pretrained=True, **kwargs).eval()
-        except (OSError, RuntimeError, ValueError) as e:  # no network, no such repo or folder, weights that do not fit
-            raise ConversionError(f'cannot load {model}: {type(e).__name__}: {" ".join(str(e).split())}') from e
+        except (RuntimeError, ValueError) as e:  # timm: 'No pretrained weights exist ...', weights that do not fit
+            raise ConversionError(f'cannot load the weights of {model} {kwargs or ""}: {" ".join(str(e).split())}') from e
+        except OSError as e:  # the Hub cannot be reached (offline), a missing local folder or file
+            raise ConversionError(
+                f'cannot fetch the weights of {model} ({type(e).__name__}: {" ".join(str(e).split())}). Without network '
+                'access, download them elsewhere and pass local-dir:PATH or --checkpoint FILE.') from e
     if not timm.is_model(model):
         raise ConversionError(f"unknown model '{model}': give a timm model name (timm.list_models()), "
                               'hf-hub:org/name or local-dir:PATH.')
     if not checkpoint:
-        raise ConversionError(f"'{model}' needs its trained weights: pass --checkpoint FILE.")
+        raise ConversionError(f"'{model}' needs its trained weights: pass --checkpoint FILE (or --pretrained "
+                              "for timm's own).")
     if not Path(checkpoint).is_file():
         raise ConversionError(f'checkpoint {checkpoint} not found.')
     net = timm.create_model(model, **kwargs)
@@ -69,53 +80,66 @@ def convert_to_folder(
         data_dir: Optional[str] = None,
         calib_batches: int = 32,
         batch_size: int = 64,
+        calib_images: Optional[int] = None,
         eval_images: Optional[int] = None,
         base_model: Optional[str] = None,
         base_model_description: Optional[str] = None,
         overwrite: bool = False,
         progress: bool = True,
         workers: int = 0,
+        device: Optional[str] = None,
+        calib_memory: int = 4 << 30,
         **model_kwargs: Any,
 ) -> Tuple[nn.Module, ConversionReport, Dict[str, Any]]:
-    """ Convert `model` with `calib_batches` batches of `dataset`'s training split, evaluate the original and
-    the converted model on its validation split, and write the Hub folder `output` (weights, config, card,
-    `conversion_report.json`). `base_model` is the Hub id of `model` when it has one, `base_model_description`
-    says where it came from otherwise. Returns the converted model, the report and the metrics.
+    """ Convert `model` with `calib_images` (default `calib_batches * batch_size`) images of `dataset`'s training
+    split, read with the model's own eval transforms (`resolve_data_config` of its `pretrained_cfg` for an image
+    folder), evaluate the original and the converted model on its validation split (`eval_images=0`: skipped),
+    and write the Hub folder `output` (weights, config, card, `conversion_report.json`). `base_model` is the Hub
+    id of `model` when it has one, `base_model_description` says where it came from otherwise. Returns the
+    converted model, the report and the metrics.
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
-    if calib_batches < 0 or batch_size < 1 or (eval_images is not None and eval_images < 1):
+    if calib_batches < 0 or batch_size < 1 or (calib_images is not None and calib_images < 0) or (
+            eval_images is not None and eval_images < 0):
         raise ConversionError(f'calib_batches must be >= 0 (got {calib_batches}), batch_size >= 1 (got {batch_size}), '
-                              f'eval_images >= 1 or None (got {eval_images}).')
+                              f'calib_images >= 0 or None (got {calib_images}), '
+                              f'eval_images >= 0 or None (got {eval_images}).')
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
+    calib_images = calib_batches * batch_size if calib_images is None else calib_images
     calibration = None
-    if calib_batches:
+    if calib_images:
         loader = create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
-                                    subset=calib_batches * batch_size, workers=workers)
+                                    subset=calib_images, workers=workers)
         calibration = [images for images, _ in loader]
-    converted, report = convert_model(model, norm, calibration, progress=progress, **model_kwargs)
+    converted, report = convert_model(model, norm, calibration, progress=progress, device=device,
+                                      calib_memory=calib_memory, **model_kwargs)
     # the preprocessing the weights expect, for timm's resolve_data_config on the published model
     converted.pretrained_cfg = dict(converted.pretrained_cfg, **data_config, num_classes=converted.num_classes)
-    eval_loader = create_eval_loader(dataset, data_dir, data_config, 256, subset=eval_images, workers=workers)
-    metrics = dict(original=evaluate(model, eval_loader), converted=evaluate(converted, eval_loader),
-                   conversion_seconds=report.seconds)
+    metrics: Dict[str, Any] = dict(conversion_seconds=report.seconds, data_config=data_config)
+    evaluated = eval_images != 0
+    if evaluated:
+        eval_loader = create_eval_loader(dataset, data_dir, data_config, 256, subset=eval_images, workers=workers)
+        metrics.update(original=evaluate(model, eval_loader), converted=evaluate(converted, eval_loader))
     recipe = (f'Converted from `{base_model or report.architecture}` ({report.architecture}, BatchNorm/LayerNorm) '
               f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, each divergence-corrected '
               f'layer fitted by ridge least squares to the original\'s outputs on {report.calibration_images} '
-              f'{dataset} training images ({report.calibration_batches} batches), in forward order. '
-              f'Top-1 before conversion {metrics["original"]["top1"]:.2f}%, after {metrics["converted"]["top1"]:.2f}% '
-              '(no fine-tuning).')
+              f'{dataset or data_dir} training images ({report.calibration_batches} batches), in forward order. ')
+    if evaluated:
+        recipe += (f'Top-1 before conversion {metrics["original"]["top1"]:.2f}%, '
+                   f'after {metrics["converted"]["top1"]:.2f}% (no fine-tuning).')
     save_hub_folder(
         converted, output, overwrite=overwrite,
         model_args=get_model_args(converted),
         card=dict(base_model=base_model, datasets=[hub_dataset(dataset, data_dir)],
                   dataset_name='Fashion-MNIST' if is_fashion_mnist(dataset) else dataset or Path(data_dir).name,
-                  eval_set=describe_split(eval_loader.dataset, dataset or data_dir, 'validation'), recipe=recipe,
-                  norm_layer=norm, model_name=f'{report.architecture}-{norm}',
+                  eval_set=describe_split(eval_loader.dataset, dataset or data_dir, 'validation') if evaluated else None,
+                  recipe=recipe, norm_layer=norm, model_name=f'{report.architecture}-{norm}',
                   base_model_description=base_model_description or (
                       None if base_model else f'converted from a trained `{report.architecture}`, not on the Hub')),
         data_config=data_config,
-        metrics=dict(top1=round(metrics['converted']['top1'], 2), top5=round(metrics['converted']['top5'], 2)),
+        metrics=dict(top1=round(metrics['converted']['top1'], 2), top5=round(metrics['converted']['top5'], 2))
+        if evaluated else None,
         extra_files={'conversion_report.json': json.dumps(dict(report.to_dict(), metrics=metrics), indent=2)},
     )
     return converted, report, metrics

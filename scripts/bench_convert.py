@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Conversion cost in forward passes: `convert_model` time / one forward pass of the original over the same
+calibration set, for full-width models (random weights: the cost does not depend on them).
+
+    python scripts/bench_convert.py                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
+    python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
+
+Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Run on an idle machine:
+both times are measured in the same run, side by side, so the ratio is what to compare.
+"""
+import argparse
+import time
+
+import timm
+import torch
+
+import timm_affinediv  # noqa: F401
+from timm_affinediv.convert import convert_model, resolve_device
+from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+
+
+def calibration_set(setting: str, batches: int, batch_size: int, model: torch.nn.Module) -> list:
+    if setting == 'synthetic-224':
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randn(batch_size, 3, 224, 224, generator=generator) for _ in range(batches)]
+    cfg = resolve_dataset_data_config('fashion-mnist', model, in_chans=1)
+    loader = create_eval_loader('fashion-mnist', None, cfg, batch_size, split='train', subset=batches * batch_size,
+                                workers=0)
+    return [x for x, _ in loader]
+
+
+def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device) -> float:
+    model.to(device)
+    with torch.no_grad():
+        start = time.perf_counter()
+        for x in batches:
+            model(x.to(device))
+        if device.type == 'cuda':
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
+    parser.add_argument('--settings', nargs='+', default=['synthetic-224', 'fashion-mnist-32'],
+                        choices=['synthetic-224', 'fashion-mnist-32'])
+    parser.add_argument('--batches', type=int, nargs=2, default=(8, 32), metavar=('AT_224', 'AT_32'),
+                        help='calibration batches at 224 and at 32 (default 8 and 32)')
+    parser.add_argument('--batch-size', type=int, nargs=2, default=(8, 64), metavar=('AT_224', 'AT_32'))
+    parser.add_argument('--device', default='auto')
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    rows = []
+    for setting in args.settings:
+        i = 0 if setting == 'synthetic-224' else 1
+        for name in args.models:
+            kwargs = dict(num_classes=1000, in_chans=3) if i == 0 else dict(num_classes=10, in_chans=1)
+            model = timm.create_model(name, **kwargs).eval()
+            batches = calibration_set(setting, args.batches[i], args.batch_size[i], model)
+            forward_seconds(model, batches[:1], device)  # warm-up
+            forward = forward_seconds(model, batches, device)
+            model.cpu()
+            start = time.perf_counter()
+            convert_model(model, calibration=batches, device=str(device))
+            seconds = time.perf_counter() - start
+            rows.append((name, setting, f'{len(batches)} x {batches[0].shape[0]}', forward, seconds))
+            print(f'{name} {setting}: forward {forward:.1f} s, conversion {seconds:.1f} s, '
+                  f'ratio {seconds / forward:.1f}', flush=True)
+    print(f'\n| model | data | calibration batches | one forward pass s | conversion s | ratio |  ({device})')
+    print('|---|---|---|---:|---:|---:|')
+    for name, setting, calib, forward, seconds in rows:
+        print(f'| {name} | {setting} | {calib} | {forward:.1f} | {seconds:.1f} | {seconds / forward:.1f} |')
+
+
+if __name__ == '__main__':
+    main()
