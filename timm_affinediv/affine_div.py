@@ -120,26 +120,27 @@ def box_sum(
         dilation: Tuple[int, int] = (1, 1),
         divisor: int = 1,
         offset: float = 0.,
+        channels: Optional[int] = None,
 ) -> torch.Tensor:
     """ `sum(x) / divisor + offset` over every window of a convolution's geometry, per channel.
 
     `padding` is (left, right, top, bottom). The division and offset ride in the filter's kernel and
-    bias, so the affine step that follows a box filter costs no pass of its own.
+    bias, so the affine step that follows a box filter costs no pass of its own. `channels`, x's channel
+    count where the caller knows it, keeps the filter's kernel a constant in exported graphs.
     """
     (kh, kw), (left, right, top, bottom) = kernel_size, padding
     if left == right and top == bottom:
         pad = (top, left)
     else:
         x, pad = F.pad(x, padding), (0, 0)
-    channels = x.shape[1]
-    poolable = dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2
-    if poolable and portable_ops():
-        # the dynamo ONNX exporter drops divisor_override without an error: divide by the window area (zero
-        # padding counted, as in the convolution's patches), then rescale. A pool also needs no kernel of the
-        # input's channel count, which the TorchScript-based ONNX exporter cannot size under a dynamic batch.
-        return F.avg_pool2d(x, kernel_size, stride, pad) * (kh * kw / divisor) + offset
+    if channels is None:
+        channels = x.shape[1]
     # avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
-    if poolable and channels <= 4:
+    if dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2 and channels <= 4:
+        if portable_ops():
+            # the dynamo ONNX exporter drops divisor_override without an error: divide by the window area (zero
+            # padding counted, as in the convolution's patches), then rescale
+            return F.avg_pool2d(x, kernel_size, stride, pad) * (kh * kw / divisor) + offset
         out = F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=divisor)
         return out.add_(offset) if offset else out
     kernel = x.new_full((channels, 1, kh, kw), 1. / divisor)
@@ -170,15 +171,31 @@ def patch_sq_norm(
         x, stride = x[:, :, ::stride[0], ::stride[1]], (1, 1)
     if torch.jit.is_scripting():
         # TorchScript does not apply autocast
-        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset)
+        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
     else:
         with torch.autocast(x.device.type, enabled=False):
-            return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset)
+            return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
 
 
 def _inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
     """`1 / s = ((|x|^2 + offset) / c)^(-1/2)`, in place on `sq`."""
     return sq.add_(offset).div_(c).rsqrt_()
+
+
+def _augmented_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     channel_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ `(x * inv_s, weight)` for a map applied per position, with `inv_s` appended as an input channel (along
+    `channel_dim`) that the bias weights.
+
+    `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the output is cheaper when the output is
+    wider, and leaves the map's own bias free for a fused slot's.
+    """
+    inv_s = inv_s.to(x.dtype)
+    x = x * inv_s
+    if bias is None:
+        return x, weight
+    bias_column = bias.view([-1, 1] + [1] * (weight.dim() - 2))
+    return torch.cat([x, inv_s], dim=channel_dim), torch.cat([weight, bias_column], dim=1)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -396,7 +413,12 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, 'AffineDivLinear')
         weight, bias, post_bias = self._fused_params()
-        if self.out_features > self.in_features + 1 and not portable_ops():
+        if self.out_features > self.in_features + 1:
+            if portable_ops():
+                # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
+                # ONNX Runtime fuses it and the activation into the GEMM instead of two passes over the output
+                x, weight = _augmented_input(x, self.inv_scale(x), weight, bias, -1)
+                return F.linear(x, weight, post_bias)
             y = self._wide_linear(x.reshape(-1, self.in_features), weight, bias, post_bias)
             return y.view(x.shape[:-1] + (self.out_features,))
         return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
@@ -466,19 +488,6 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             divisor=c, offset=_norm_offset(self.bias is not None, self.eps) / c)
         return scaled_sq_norm.rsqrt_()
 
-    @staticmethod
-    def _scaled_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        """`(x * inv_s, weight)` for an NCHW 1x1 map, with `inv_s` appended as an input channel the bias weights.
-
-        For a pointwise map `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the
-        output is cheaper when the output is wider.
-        """
-        inv_s = inv_s.to(x.dtype)
-        x = x * inv_s
-        if bias is None:
-            return x, weight
-        return torch.cat([x, inv_s], dim=1), torch.cat([weight, bias.view(-1, 1, 1, 1)], dim=1)
-
     @property
     def _depthwise(self) -> bool:
         return self.groups == self.in_channels and self.groups == self.out_channels
@@ -487,7 +496,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     def _wide_pointwise(self) -> bool:
         """A 1x1 map, stride 1, no padding, to more channels than its augmented input has."""
         return self.kernel_size == (1, 1) and self.stride == (1, 1) and self.groups == 1 and \
-            self._reversed_padding_repeated_twice == [0, 0, 0, 0] and self.out_channels > self.in_channels + 1
+            sum(self._reversed_padding_repeated_twice) == 0 and self.out_channels > self.in_channels + 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_nchw(x, self.in_channels, 'PatchNormConv2d')
@@ -498,6 +507,11 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             x = F.pad(x, pads, mode='constant' if self.padding_mode == 'zeros' else self.padding_mode)
             pads = [0, 0, 0, 0]
         weight, bias, post_bias = self._fused_params()
+        if self._wide_pointwise and portable_ops():
+            # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
+            # sum into the convolution
+            x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
+            return F.conv2d(x, weight, post_bias)
         if torch.is_grad_enabled() and (self._depthwise or self._wide_pointwise) and not portable_ops():
             return self._training_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
         y = F.conv2d(x, weight, bias, self.stride, (pads[2], pads[0]), self.dilation, self.groups)
@@ -524,7 +538,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
             y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
             return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
-        x, weight = self._scaled_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias)
+        x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
         return F.conv2d(x, weight, post_bias)
 
     def extra_repr(self) -> str:
