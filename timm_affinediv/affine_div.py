@@ -16,6 +16,11 @@ Norms are computed in float32 whatever the input dtype, so float16/bfloat16 do n
 Depthwise convolutions and linear maps with a wider output train through autograd Functions of
 their own, with fewer passes and temporaries than autograd through the same operations.
 
+Under `torch.jit.script`, `torch.export` and both ONNX exporters (`portable_ops()`), the layers compute the
+same function with plain operations every one of them supports: no autograd Functions, no in-place `out=`,
+no `avg_pool2d(divisor_override=)` (which the dynamo ONNX exporter drops without an error) and no `vecdot`
+(which the TorchScript-based ONNX exporter lacks).
+
 Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026.
 """
 from typing import Optional, Tuple, Union
@@ -28,18 +33,34 @@ from timm.layers import register_notrace_module
 __all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'box_sum', 'channel_sq_norm',
            'sq_norm']
 
-_SCALES = ('rms', 'l2')
+def portable_ops() -> bool:
+    """ Whether the forward is being scripted or exported (`torch.jit.script`, `torch.export`, ONNX).
+
+    Then the layers take the operations every exporter supports, computing the same function as their
+    eager route.
+    """
+    if torch.jit.is_scripting():
+        return True
+    else:
+        return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
 
 
 def _check_scale(scale: str) -> str:
-    if scale not in _SCALES:
-        raise ValueError(f"scale must be one of {_SCALES}, got {scale!r}")
+    # written in what TorchScript compiles: l2_normalise checks its scale in forward
+    if scale != 'rms' and scale != 'l2':
+        raise ValueError(f"scale must be 'rms' or 'l2', got '{scale}'")
     return scale
 
 
 def divergence_constant(fan_in: int, bias: bool, scale: str) -> int:
     """The constant `c` every update is scaled by: `m = fan_in (+1 with bias)` for "rms", 1 for "l2"."""
-    return fan_in + int(bias) if _check_scale(scale) == 'rms' else 1
+    _check_scale(scale)
+    return _constant(fan_in, bias, scale)
+
+
+def _constant(fan_in: int, bias: bool, scale: str) -> int:
+    """`divergence_constant` for a checked `scale`, in what TorchScript compiles."""
+    return fan_in + int(bias) if scale == 'rms' else 1
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -52,24 +73,27 @@ def _norm_offset(bias: bool, eps: float) -> float:
     return 1.0 if bias else eps
 
 
+# the shape checks below are written in what TorchScript compiles (no tuple(), no !r in f-strings)
 def _check_last_dim(x: torch.Tensor, features: int, name: str) -> None:
     if x.dim() == 0 or x.shape[-1] != features:
         raise ValueError(
             f"{name} expects inputs whose last dimension is in_features={features}, "
-            f"got shape {tuple(x.shape)}")
+            f"got shape {list(x.shape)}")
 
 
 def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
     if x.dim() != 4:
         raise ValueError(
-            f"{name} expects a 4-D input (N, C, H, W), got shape {tuple(x.shape)}; "
+            f"{name} expects a 4-D input (N, C, H, W), got shape {list(x.shape)}; "
             "add a batch dimension with x.unsqueeze(0)")
     if x.shape[1] != channels:
-        raise ValueError(f"{name} expects {channels} input channels, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} expects {channels} input channels, got shape {list(x.shape)}")
 
 
 def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
     """`|x|^2` over `dim`, kept as a dimension of size 1, in float32 or wider."""
+    if portable_ops():
+        return at_least_float32(x).square().sum(dim, keepdim=True)
     if x.stride(dim) == 1:
         # over contiguous elements the norm kernel is fastest, and it does not materialise x^2
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -88,10 +112,6 @@ def channel_sq_norm(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
     return sq_norm(x.unflatten(1, (groups, -1)), 2).squeeze(2)
 
 
-# avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
-_POOL_MAX_CHANNELS = 4
-
-
 def box_sum(
         x: torch.Tensor,
         kernel_size: Tuple[int, int],
@@ -100,19 +120,27 @@ def box_sum(
         dilation: Tuple[int, int] = (1, 1),
         divisor: int = 1,
         offset: float = 0.,
+        channels: Optional[int] = None,
 ) -> torch.Tensor:
     """ `sum(x) / divisor + offset` over every window of a convolution's geometry, per channel.
 
     `padding` is (left, right, top, bottom). The division and offset ride in the filter's kernel and
-    bias, so the affine step that follows a box filter costs no pass of its own.
+    bias, so the affine step that follows a box filter costs no pass of its own. `channels`, x's channel
+    count where the caller knows it, keeps the filter's kernel a constant in exported graphs.
     """
     (kh, kw), (left, right, top, bottom) = kernel_size, padding
     if left == right and top == bottom:
         pad = (top, left)
     else:
         x, pad = F.pad(x, padding), (0, 0)
-    channels = x.shape[1]
-    if channels <= _POOL_MAX_CHANNELS and dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2:
+    if channels is None:
+        channels = x.shape[1]
+    # avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
+    if dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2 and channels <= 4:
+        if portable_ops():
+            # the dynamo ONNX exporter drops divisor_override without an error: divide by the window area (zero
+            # padding counted, as in the convolution's patches), then rescale
+            return F.avg_pool2d(x, kernel_size, stride, pad) * (kh * kw / divisor) + offset
         out = F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=divisor)
         return out.add_(offset) if offset else out
     kernel = x.new_full((channels, 1, kh, kw), 1. / divisor)
@@ -141,13 +169,33 @@ def patch_sq_norm(
     if kernel_size == (1, 1) and stride != (1, 1) and not any(padding):
         # a strided 1x1 convolution reads only every stride-th position: take the norms there alone
         x, stride = x[:, :, ::stride[0], ::stride[1]], (1, 1)
-    with torch.autocast(x.device.type, enabled=False):
-        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset)
+    if torch.jit.is_scripting():
+        # TorchScript does not apply autocast
+        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
 
 
 def _inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
     """`1 / s = ((|x|^2 + offset) / c)^(-1/2)`, in place on `sq`."""
     return sq.add_(offset).div_(c).rsqrt_()
+
+
+def _augmented_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     channel_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """ `(x * inv_s, weight)` for a map applied per position, with `inv_s` appended as an input channel (along
+    `channel_dim`) that the bias weights.
+
+    `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the output is cheaper when the output is
+    wider, and leaves the map's own bias free for a fused slot's.
+    """
+    inv_s = inv_s.to(x.dtype)
+    x = x * inv_s
+    if bias is None:
+        return x, weight
+    bias_column = bias.view([-1, 1] + [1] * (weight.dim() - 2))
+    return torch.cat([x, inv_s], dim=channel_dim), torch.cat([weight, bias_column], dim=1)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -280,8 +328,13 @@ class _DivergenceCorrected:
         # a plain attribute, not a submodule: the slot's parameters stay where the model has them
         object.__setattr__(self, '_post_affine', slot)
 
-    def _fused_params(self):
-        """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in."""
+    def _fused_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in.
+
+        TorchScript cannot reach the slot from here: a scripted slot applies its affine itself.
+        """
+        if torch.jit.is_scripting():
+            return self.weight, self.bias, None
         weight, bias, slot = self.weight, self.bias, self._post_affine
         if slot is None:
             return weight, bias, None
@@ -296,17 +349,20 @@ class _DivergenceCorrected:
         Without autograd (inference) `y` is scaled in place: a fresh output tensor costs more than the pass.
         """
         inv_s = inv_s.to(y.dtype)
-        grouped = inv_s.shape[channel_dim] not in (1, y.shape[channel_dim])
-        bias_shape = (-1,) + (1,) * (y.dim() - channel_dim - 1 if channel_dim >= 0 else 0)
+        grouped = inv_s.shape[channel_dim] != 1 and inv_s.shape[channel_dim] != y.shape[channel_dim]
+        bias_shape = [-1] + [1] * (y.dim() - channel_dim - 1 if channel_dim >= 0 else 0)
         if grouped:
-            y, inv_s, bias_shape = y.unflatten(channel_dim, (groups, -1)), inv_s.unsqueeze(channel_dim + 1), \
-                (groups,) + bias_shape
-        out = None if torch.is_grad_enabled() else y
-        if post_bias is None:
-            y = torch.mul(y, inv_s, out=out)
+            y, inv_s, bias_shape = y.unflatten(channel_dim, [groups, -1]), inv_s.unsqueeze(channel_dim + 1), \
+                [groups] + bias_shape
+        if portable_ops() or torch.is_grad_enabled():
+            y = y * inv_s if post_bias is None else torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s)
+        elif post_bias is None:
+            y = torch.mul(y, inv_s, out=y)
         else:
-            y = torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s, out=out)
+            y = torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s, out=y)
         return y.flatten(channel_dim, channel_dim + 1) if grouped else y
+
+    @torch.jit.unused
 
     def _wide_linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      post_bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -342,18 +398,27 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
 
     @property
     def divergence_constant(self) -> int:
-        return divergence_constant(self.in_features, self.bias is not None, self.scale)
+        return _constant(self.in_features, self.bias is not None, self.scale)
 
     def inv_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / s(x)` in float32 (or float64), shape `x.shape[:-1] + (1,)`."""
         offset = _norm_offset(self.bias is not None, self.eps)
-        with torch.autocast(x.device.type, enabled=False):
+        if torch.jit.is_scripting():
+            # TorchScript does not apply autocast
             return _inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                return _inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_last_dim(x, self.in_features, type(self).__name__)
+        _check_last_dim(x, self.in_features, 'AffineDivLinear')
         weight, bias, post_bias = self._fused_params()
         if self.out_features > self.in_features + 1:
+            if portable_ops():
+                # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
+                # ONNX Runtime fuses it and the activation into the GEMM instead of two passes over the output
+                x, weight = _augmented_input(x, self.inv_scale(x), weight, bias, -1)
+                return F.linear(x, weight, post_bias)
             y = self._wide_linear(x.reshape(-1, self.in_features), weight, bias, post_bias)
             return y.view(x.shape[:-1] + (self.out_features,))
         return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
@@ -413,7 +478,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     @property
     def divergence_constant(self) -> int:
         fan_in = self.in_channels // self.groups * self.kernel_size[0] * self.kernel_size[1]
-        return divergence_constant(fan_in, self.bias is not None, self.scale)
+        return _constant(fan_in, self.bias is not None, self.scale)
 
     def inv_scale(self, x: torch.Tensor, padding: Tuple[int, int, int, int]) -> torch.Tensor:
         """`1 / s(P_p)` in float32 (or float64), `(N, groups, H_out, W_out)`, for `x` padded by `padding`."""
@@ -423,55 +488,58 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             divisor=c, offset=_norm_offset(self.bias is not None, self.eps) / c)
         return scaled_sq_norm.rsqrt_()
 
-    @staticmethod
-    def _scaled_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        """`(x * inv_s, weight)` for an NCHW 1x1 map, with `inv_s` appended as an input channel the bias weights.
-
-        For a pointwise map `(W x + b) / s = [W b] [x / s; 1 / s]`: scaling the input instead of the
-        output is cheaper when the output is wider.
-        """
-        inv_s = inv_s.to(x.dtype)
-        x = x * inv_s
-        if bias is None:
-            return x, weight
-        return torch.cat([x, inv_s], dim=1), torch.cat([weight, bias.view(-1, 1, 1, 1)], dim=1)
-
     @property
     def _depthwise(self) -> bool:
-        return self.groups == self.in_channels == self.out_channels
+        return self.groups == self.in_channels and self.groups == self.out_channels
 
     @property
-    def _pointwise(self) -> bool:
+    def _wide_pointwise(self) -> bool:
+        """A 1x1 map, stride 1, no padding, to more channels than its augmented input has."""
         return self.kernel_size == (1, 1) and self.stride == (1, 1) and self.groups == 1 and \
-            self.padding in ((0, 0), 'valid')
+            sum(self._reversed_padding_repeated_twice) == 0 and self.out_channels > self.in_channels + 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_nchw(x, self.in_channels, type(self).__name__)
-        if self.padding_mode == 'zeros':
-            conv_padding, norm_padding = self.padding, tuple(self._reversed_padding_repeated_twice)
-        else:
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            conv_padding, norm_padding = 0, (0, 0, 0, 0)
+        _check_nchw(x, self.in_channels, 'PatchNormConv2d')
+        pads = self._reversed_padding_repeated_twice  # (left, right, top, bottom)
+        if self.padding_mode != 'zeros' or pads[0] != pads[1] or pads[2] != pads[3]:
+            # non-zero padding modes pad the input first, so the patches are what the convolution reads; an
+            # asymmetric "same" padding is applied here as F.conv2d would, so the convolution pads symmetrically
+            x = F.pad(x, pads, mode='constant' if self.padding_mode == 'zeros' else self.padding_mode)
+            pads = [0, 0, 0, 0]
         weight, bias, post_bias = self._fused_params()
-        left, right, top, bottom = norm_padding
-        if self._depthwise and torch.is_grad_enabled() and (left, top) == (right, bottom):
+        if self._wide_pointwise and portable_ops():
+            # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
+            # sum into the convolution
+            x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
+            return F.conv2d(x, weight, post_bias)
+        if torch.is_grad_enabled() and (self._depthwise or self._wide_pointwise) and not portable_ops():
+            return self._training_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
+        y = F.conv2d(x, weight, bias, self.stride, (pads[2], pads[0]), self.dilation, self.groups)
+        inv_s = self.inv_scale(x, (pads[0], pads[1], pads[2], pads[3]))
+        return self._scale_output(y, inv_s, post_bias, 1, self.groups)
+
+    @torch.jit.unused
+    def _training_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          post_bias: Optional[torch.Tensor], padding: Tuple[int, int]) -> torch.Tensor:
+        """ The forward of a depthwise or a wide pointwise map under autograd, with fewer passes and temporaries.
+
+        The depthwise map trains through its own autograd Function; a wider pointwise map is cheaper on its
+        scaled input (in inference, where the output is scaled in place, the odd channel count of the augmented
+        input costs more than it saves).
+        """
+        if self._depthwise:
             return _apply_under_autocast(
                 _DepthwisePatchNormFn, x.device.type, (x, weight, bias, post_bias), self.divergence_constant,
-                _norm_offset(bias is not None, self.eps), self.stride, (top, left), self.dilation)
-        # in training a wider pointwise map is cheaper on its scaled input; in inference, where the
-        # output is scaled in place, the odd channel count of the augmented input costs more than it saves
-        if self._pointwise and self.out_channels > self.in_channels + 1 and torch.is_grad_enabled():
-            if x.is_contiguous(memory_format=torch.channels_last):
-                # channels-last memory is a matrix of pixels: the wide linear map's, with no augmented input,
-                # and the output stays channels-last
-                n, _, h, w = x.shape
-                rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
-                y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
-                return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
-            x, weight = self._scaled_input(x, self.inv_scale(x, norm_padding), weight, bias)
-            return F.conv2d(x, weight, post_bias)
-        y = F.conv2d(x, weight, bias, self.stride, conv_padding, self.dilation, self.groups)
-        return self._scale_output(y, self.inv_scale(x, norm_padding), post_bias, 1, self.groups)
+                _norm_offset(bias is not None, self.eps), self.stride, padding, self.dilation)
+        if x.is_contiguous(memory_format=torch.channels_last):
+            # channels-last memory is a matrix of pixels: the wide linear map's, with no augmented input,
+            # and the output stays channels-last
+            n, _, h, w = x.shape
+            rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
+            y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
+            return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
+        x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
+        return F.conv2d(x, weight, post_bias)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

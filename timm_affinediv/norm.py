@@ -22,10 +22,18 @@ __all__ = ['L2Norm', 'L2Norm2d', 'L2NormLinear', 'l2_normalise']
 def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(|x|^2 / c + eps)` over `dim`, `c = 1` ("l2") or `x.shape[dim]` ("rms")."""
     c = x.shape[dim] if _check_scale(scale) == 'rms' else 1
-    with torch.autocast(x.device.type, enabled=False):
-        x32 = at_least_float32(x)
-        inv_norm = x32.square().sum(dim, keepdim=True).div_(c).add_(eps).rsqrt()
-        return (x32 * inv_norm).to(x.dtype)
+    if torch.jit.is_scripting():
+        # TorchScript does not apply autocast
+        return _normalise(x, dim, c, eps)
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            return _normalise(x, dim, c, eps)
+
+
+def _normalise(x: torch.Tensor, dim: int, c: int, eps: float) -> torch.Tensor:
+    x32 = at_least_float32(x)
+    inv_norm = x32.square().sum(dim, keepdim=True).div_(c).add_(eps).rsqrt()
+    return (x32 * inv_norm).to(x.dtype)
 
 
 @register_notrace_module
@@ -35,6 +43,7 @@ class L2Norm(nn.Module):
     `y = weight * x / sqrt(|x|^2 / c + eps) + bias`, `c = 1` for "l2", `num_features` for "rms".
     """
     channel_dim = -1
+    __constants__ = ['channel_dim']
 
     def __init__(self, num_features: int, eps: float = 1e-6, affine: bool = True, scale: str = 'l2',
                  device=None, dtype=None):
@@ -96,6 +105,6 @@ class L2NormLinear(nn.Linear):
 def channel_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, channel_dim: int) -> torch.Tensor:
     """`weight * x + bias` with per-channel parameters along `channel_dim` (1 or -1), in x's dtype."""
     if channel_dim == 1:
-        shape = (-1,) + (1,) * (x.dim() - 2)
+        shape = [-1] + [1] * (x.dim() - 2)
         weight, bias = weight.view(shape), bias.view(shape)
     return torch.addcmul(bias.to(x.dtype), x, weight.to(x.dtype))

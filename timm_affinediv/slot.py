@@ -55,6 +55,7 @@ class PatchNormSlot(nn.Module):
     `scale` ("rms" or "l2") is the scaling the bound affine maps get.
     """
     channel_dim = 1
+    __constants__ = ['channel_dim']
     # `affinediv` slots: every affine map of the model is corrected, the slot is only an affine
     corrects_all_affine = False
 
@@ -77,11 +78,16 @@ class PatchNormSlot(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.slot_forward(x)
+
+    def slot_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The slot's function; subclasses wrap it (TorchScript compiles no `super().forward`)."""
         if x.dim() < 2 or x.shape[self.channel_dim] != self.num_features:
             raise ValueError(
-                f"{type(self).__name__} expects {self.num_features} channels in dim {self.channel_dim}, "
-                f"got shape {tuple(x.shape)}")
-        if self.fused:
+                f"the norm slot expects {self.num_features} channels in dim {self.channel_dim}, "
+                f"got shape {list(x.shape)}")
+        # a scripted producer cannot reach the slot's parameters, so it leaves the affine to the slot
+        if self.fused and not torch.jit.is_scripting():
             return x
         if not self.bound:
             x = l2_normalise(x, self.channel_dim, 'rms', self.eps)
@@ -109,7 +115,7 @@ class PatchNorm2d(PatchNormSlot):
         self.channels_last = channels_last
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = super().forward(x)
+        x = self.slot_forward(x)
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
     def extra_repr(self) -> str:
@@ -147,7 +153,7 @@ class PatchNormAct2d(PatchNorm2d):
         self.act = _create_act(act_layer, act_kwargs=act_kwargs, inplace=inplace, apply_act=apply_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.drop(super().forward(x)))
+        return self.act(self.drop(self.slot_forward(x)))
 
 
 @register_notrace_module
