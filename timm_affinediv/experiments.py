@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import GroupNorm
 
-from .affine_div import AffineDivLinear
-from .norm import L2Norm
+from .layers.affine_div import AffineDivLinear
+from .layers.norm import L2Norm
 
 __all__ = [
     'EXPERIMENTS', 'Config', 'RunResult', 'Splits', 'conv_model', 'load_fashion_mnist', 'mlp_model',

@@ -16,7 +16,7 @@ from timm.models._input import get_model_args
 
 from .hub import save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
-from .workflow import convert_to_folder, hub_dataset, load_trained_model
+from .model_io import convert_to_folder, hub_dataset, load_trained_model
 
 __all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1', 'train_config']
 

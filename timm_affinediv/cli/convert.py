@@ -17,7 +17,7 @@ from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
 from timm.utils import ParseKwargs
 
-from timm_affinediv.workflow import convert_to_folder, load_trained_model
+from timm_affinediv.model_io import convert_to_folder, load_trained_model
 
 
 def main(argv=None) -> int:

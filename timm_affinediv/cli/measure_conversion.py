@@ -8,7 +8,8 @@ import sys
 import time
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.workflow import load_trained_model, evaluate
+from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.train import evaluate
 from timm_affinediv.convert import convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 model = load_trained_model(sys.argv[1])

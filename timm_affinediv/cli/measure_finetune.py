@@ -10,8 +10,8 @@ from pathlib import Path
 import timm_affinediv  # noqa: F401
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
-from timm_affinediv.train import Trainer
-from timm_affinediv.workflow import evaluate, load_trained_model
+from timm_affinediv.train import Trainer, evaluate
+from timm_affinediv.model_io import load_trained_model
 
 
 def main(run: str, epochs: int = 2) -> None:

@@ -40,8 +40,8 @@ from timm.utils.distributed import init_distributed_device_so
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .binding import bind_patchnorm
-from .data import (
+from ..layers.binding import bind_patchnorm
+from ..data import (
     create_eval_loader, create_train_loader, dataset_num_classes, is_fashion_mnist, resolve_dataset_data_config,
     set_loader_epoch,
 )
