@@ -6,12 +6,12 @@ from .layers.affine_div import AffineDivLinear, PatchNormConv2d, divergence_cons
 from .layers.binding import bind_patchnorm, describe_slots, divergence_corrected
 from .convert import ConversionError, ConversionReport, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
+from .version import __version__
 from .hub import HubError, push_to_hub, save_hub_folder
 from .layers.norm import L2Norm, L2Norm2d, l2_normalise
 from .layers.register import register
 from .layers.slot import (
     AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding)
 
-__version__ = "0.1.0"
 
 register()

@@ -5,9 +5,8 @@ see the same machine state; a round's ratio compares the two steps timed next to
 model and mode: the median seconds of each and the median of the per-round ratios, with the middle half
 (quartiles) of those ratios, which shows how much the shared machine moved them.
 
-    python scripts/bench_layers.py [--reps 15] [--models convnext_tiny] [--modes train]
+    timm-affinediv bench [--reps 15] [--models convnext_tiny] [--modes train]
 """
-import argparse
 import statistics
 import time
 
@@ -15,6 +14,7 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
+from timm_affinediv.cli import command_parser
 
 MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
 MODES = ('train', 'inference')
@@ -55,15 +55,15 @@ def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
     return ref_times, cand_times
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = command_parser('bench', __doc__)
     parser.add_argument('--reps', type=int, default=15, help='paired rounds per model and mode')
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--img-size', type=int, default=224)
     parser.add_argument('--threads', type=int, default=None, help='torch intra-op threads (default: all cores)')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.reps < 4:
         parser.error(f'--reps {args.reps}: quartiles of the per-round ratios need at least 4 rounds')
     if args.threads:
@@ -87,6 +87,7 @@ def main():
             print(f'| {name} | {mode} | {MODELS[name]} | {statistics.median(ref):.3f} | '
                   f'{statistics.median(patch):.3f} | {ratio:.3f} | {q1:.3f} to {q3:.3f} |', flush=True)
 
+    return 0
 
 if __name__ == '__main__':
     main()

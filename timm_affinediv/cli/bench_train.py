@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Throughput of the Trainer's training loop against a bare PyTorch loop on the same model, optimiser and data, one run.
 
 Both loops train the Trainer's model with its optimiser on the same batches from the same loader (pre-loaded into
@@ -6,13 +5,10 @@ memory, so data loading is left out) and alternate for several rounds, each goin
 median and the best images/s of each are compared (on a shared machine the best round is the steadier estimate).
 The issue asks for an overhead under 10%.
 
-    python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 6
+    timm-affinediv bench-train --model resnet18 --batch-size 64 --steps 20 --rounds 6
 """
-import argparse
 import ast
-import os
 import statistics
-import sys
 import time
 from contextlib import nullcontext
 from typing import List, Tuple
@@ -20,9 +16,8 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from timm_affinediv.train import TrainConfig, Trainer  # noqa: E402
+from timm_affinediv.train import TrainConfig, Trainer
+from timm_affinediv.cli import command_parser
 
 
 def bare_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module,
@@ -54,8 +49,8 @@ class _FixedBatches:
         return iter(self.batches)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = command_parser('bench-train', __doc__)
     p.add_argument('--model', default='resnet18')
     p.add_argument('--model-kwargs', default='{}', help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
     p.add_argument('-b', '--batch-size', type=int, default=64)
@@ -64,7 +59,7 @@ def main() -> None:
     p.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     p.add_argument('--amp', action='store_true')
     p.add_argument('--no-progress', action='store_true', help='measure the Trainer without its progress bar')
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     cfg = TrainConfig(
         model=args.model, model_kwargs=ast.literal_eval(args.model_kwargs), num_classes=10, batch_size=args.batch_size,
@@ -107,6 +102,7 @@ def main() -> None:
         print(f'{name:6s}: bare {b:8.1f} img/s, Trainer {o:8.1f} img/s, ratio {o / b:.3f} '
               f'(overhead {100 * (1 - o / b):.1f}%)')
 
+    return 0
 
 if __name__ == '__main__':
     main()

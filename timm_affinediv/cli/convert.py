@@ -1,13 +1,11 @@
-#!/usr/bin/env python3
 """Convert a trained BatchNorm/LayerNorm timm model to PatchNorm and write a Hub-ready folder.
 
-    python scripts/convert.py --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
+    timm-affinediv convert --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
         --calib-data fashion-mnist --calib-batches 32 --output runs/resnet18-patchnorm
-    python scripts/convert.py --model local-dir:runs/baseline --output runs/converted
+    timm-affinediv convert --model local-dir:runs/baseline --output runs/converted
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
-import argparse
 import logging
 import sys
 from pathlib import Path
@@ -18,10 +16,11 @@ from timm_affinediv.data import DataError
 from timm.utils import ParseKwargs
 
 from timm_affinediv.model_io import convert_to_folder, load_trained_model
+from timm_affinediv.cli import command_parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = command_parser('convert', __doc__)
     parser.add_argument('--model', required=True, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
     parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
     parser.add_argument('--num-classes', type=int, help='classes of the checkpoint (timm model name only)')

@@ -1,22 +1,21 @@
-#!/usr/bin/env python3
 """Fashion-MNIST experiments testing the affine divergence paper's claims (see timm_affinediv.experiments).
 
-    python scripts/experiments.py --output docs/results              # all three, full budget
-    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, minutes
-    python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
+    timm-affinediv experiments --output docs/results              # all three, full budget
+    timm-affinediv experiments --only mlp --quick --output /tmp/q  # one experiment, minutes
+    timm-affinediv experiments --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (every run), <experiment>.md (table) and <experiment>.png per experiment.
 """
-import argparse
 import sys
 
 import torch
 
 from timm_affinediv.experiments import EXPERIMENTS, run_experiment
+from timm_affinediv.cli import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('experiments', __doc__)
     parser.add_argument('--only', choices=EXPERIMENTS, action='append',
                         help='run this experiment (repeatable; default: all of ' + ', '.join(EXPERIMENTS) + ')')
     parser.add_argument('--quick', action='store_true', help='tiny budget (seconds), for tests and smoke runs')

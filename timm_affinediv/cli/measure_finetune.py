@@ -1,20 +1,26 @@
-#!/usr/bin/env python3
 """Fine-tuning a converted model, with and without distillation, against training the same PatchNorm model from
 scratch for the same number of steps, and the original BatchNorm model; top-1 on the Fashion-MNIST test set.
 
-    python scripts/measure_finetune.py runs/demo      # after `make demo`
+    timm-affinediv measure-finetune runs/demo      # after `make demo`
 """
 import sys
 from pathlib import Path
+from typing import List, Optional
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
 from timm_affinediv.train import Trainer, evaluate
 from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.cli import command_parser
 
 
-def main(run: str, epochs: int = 2) -> None:
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = command_parser('measure-finetune', __doc__)
+    parser.add_argument('run', nargs='?', default='runs/demo', help='the folder of a demo pipeline run')
+    parser.add_argument('--epochs', type=int, default=2, help='epochs of each fine-tuning run')
+    args = parser.parse_args(argv)
+    run, epochs = args.run, args.epochs
     cfg = PipelineConfig(output=run, val_subset=None)
     baseline = load_trained_model(f'local-dir:{Path(run) / "baseline"}')
     data_config = resolve_dataset_data_config('fashion-mnist', baseline, in_chans=1)
@@ -35,7 +41,8 @@ def main(run: str, epochs: int = 2) -> None:
     print('|---|---:|')
     for name, top1 in rows:
         print(f'| {name} | {top1:.2f} |')
+    return 0
 
 
 if __name__ == '__main__':
-    main(sys.argv[1] if len(sys.argv) > 1 else 'runs/demo')
+    sys.exit(main())

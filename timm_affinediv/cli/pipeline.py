@@ -1,13 +1,11 @@
-#!/usr/bin/env python3
 """The main job: a trained BatchNorm model -> PatchNorm -> fine-tuned with distillation -> Hub-ready folder.
 
-    python scripts/pipeline.py                      # built-in default: narrow resnet18 on Fashion-MNIST, trained here
-    python scripts/pipeline.py --model resnet18 --checkpoint baseline.safetensors --model-kwargs ...
+    timm-affinediv pipeline                      # built-in default: narrow resnet18 on Fashion-MNIST, trained here
+    timm-affinediv pipeline --model resnet18 --checkpoint baseline.safetensors --model-kwargs ...
 
 Writes <output>/baseline (when trained here), <output>/converted, <output>/model (the fine-tuned, publishable
-folder: push it with scripts/push_to_hub.py) and the runs' logs and checkpoints.
+folder: push it with timm-affinediv push) and the runs' logs and checkpoints.
 """
-import argparse
 import json
 import logging
 import sys
@@ -19,11 +17,12 @@ from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
 from timm_affinediv.train import TrainingError
+from timm_affinediv.cli import command_parser
 
 
 def main(argv=None) -> int:
     defaults = PipelineConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = command_parser('pipeline', __doc__)
     parser.add_argument('--output', default=defaults.output)
     parser.add_argument('--model', default=defaults.model)
     parser.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, metavar='KEY=VALUE',
@@ -46,7 +45,7 @@ def main(argv=None) -> int:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
-    print(f"publish-ready folder: {args['output']}/model  (scripts/push_to_hub.py {args['output']}/model --repo-id ORG/NAME)")
+    print(f"publish-ready folder: {args['output']}/model  (timm-affinediv push {args['output']}/model --repo-id ORG/NAME)")
     return 0
 
 

@@ -1,16 +1,14 @@
-#!/usr/bin/env python3
 """Measure the affine divergence of a timm model: the effective-update factor of every affine layer.
 
-    python scripts/divergence_report.py --model resnet18                    # BatchNorm: a spread
-    python scripts/divergence_report.py --model resnet18 --norm patchnorm   # one factor per layer
-    python scripts/divergence_report.py --model resnet18 --checkpoint model.safetensors --data random
+    timm-affinediv report --model resnet18                    # BatchNorm: a spread
+    timm-affinediv report --model resnet18 --norm patchnorm   # one factor per layer
+    timm-affinediv report --model resnet18 --checkpoint model.safetensors --data random
 
 For each nn.Linear/nn.Conv2d, one SGD step per sampled (image, output position) on a batch of
 Fashion-MNIST (1 channel, 32x32) or random data; prints a markdown table (min, median, max and
 spread = max/min of the factor, and the largest deviation from the closed form) and writes a PNG
 per layer plus summary.png and report.md/report.json under --output.
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm', 'l2norm', 'l2norm2d'
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
+from timm_affinediv.cli import command_parser
 
 
 def load_batch(data: str, batch_size: int, seed: int, data_root: str | None) -> torch.Tensor:
@@ -31,7 +30,7 @@ def load_batch(data: str, batch_size: int, seed: int, data_root: str | None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('report', __doc__)
     parser.add_argument('--model', required=True, help='timm model name, e.g. resnet18')
     parser.add_argument('--norm', help="norm_layer for timm.create_model, e.g. batchnorm, patchnorm (default: the model's)")
     parser.add_argument('--checkpoint', help='weights to load (timm checkpoint_path); default: random init')
