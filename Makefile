@@ -1,25 +1,43 @@
-# Everything a fresh machine needs: a virtual environment with the package, and Fashion-MNIST.
+# Everything a fresh machine needs: the package built as a wheel and installed (not editable) in a virtual
+# environment, and Fashion-MNIST. The tests run against that install, from outside the source tree.
 PYTHON ?= python3
 VENV ?= .venv
+DIST ?= dist
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+VERSION := $(shell sed -n "s/^__version__ = '\(.*\)'/\1/p" timm_affinediv/version.py)
+WHEEL := $(DIST)/timm_affinediv-$(VERSION)-py3-none-any.whl
+SOURCES := pyproject.toml LICENSE README.md $(wildcard timm_affinediv/*.py timm_affinediv/*/*.py model_cards/*)
+BIN := $(abspath $(VENV))/bin
 
-.PHONY: setup demo test bench
+.PHONY: setup wheel demo test bench
 
 setup: $(VENV)/.installed $(FASHION_MNIST)
 
-$(VENV)/.installed: pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e ".[dev]"
+
+wheel: $(WHEEL)
+
+$(WHEEL): $(SOURCES) | $(BIN)/python
+	rm -rf build $(DIST)/timm_affinediv-*.whl  # setuptools would carry stale files over from build/
+	$(BIN)/pip wheel -q --no-deps -w $(DIST) .
+
+# the dependencies (and the dev extra) from the wheel's metadata, then the wheel itself, replacing any earlier
+# install of the same version (an editable one included)
+$(VENV)/.installed: $(WHEEL)
+	$(BIN)/pip install -q "$(abspath $(WHEEL))[dev]"
+	$(BIN)/pip install -q --force-reinstall --no-deps $(WHEEL)
 	touch $@
 
 $(FASHION_MNIST):
 	apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist
 
 demo: setup
-	$(VENV)/bin/python scripts/pipeline.py --output runs/demo --overwrite
+	$(BIN)/timm-affinediv pipeline --output runs/demo --overwrite
 
+# from an empty directory, so that only the installed package can be imported
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	cd "$$(mktemp -d)" && $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
 
 bench: setup
-	$(VENV)/bin/python scripts/bench_layers.py
+	$(BIN)/timm-affinediv bench

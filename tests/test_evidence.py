@@ -1,4 +1,5 @@
 """Evidence tooling: the divergence report (measured factors, table, plots) and the experiments' quick mode."""
+import importlib
 import importlib.util
 import json
 import os
@@ -15,7 +16,6 @@ from timm_affinediv.diagnostics import divergence_report, format_report
 from timm_affinediv.experiments import (
     BATCH_VARIANTS, CONV_VARIANTS, MLP_VARIANTS, QUICK, Splits, mlp_model, train_run)
 
-ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -30,10 +30,8 @@ def one_thread():
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / 'scripts' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of the command `timm-affinediv <name>`."""
+    return importlib.import_module(f'timm_affinediv.cli.{name}')
 
 
 def _is_png(path: Path) -> bool:
@@ -99,7 +97,7 @@ def test_report_refuses_bad_input():
 
 
 def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path, capsys):
-    script = _script('divergence_report')
+    script = _script('report')
     assert script.main(['--model', 'resnet10t', '--norm', 'patchnorm', '--data', 'random', '--batch-size', '4',
                         '--samples', '2', '--positions', '1', '--output', str(tmp_path)]) == 0
     record = json.loads((tmp_path / 'report.json').read_text())

@@ -16,6 +16,7 @@ with the saved ``model_args``. Without the plugin the user sees
 timm_affinediv before timm.create_model))`` for every architecture, where a norm name alone
 would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
 """
+import importlib.resources
 import json
 import os
 import shutil
@@ -45,7 +46,8 @@ CARD_NAME = 'README.md'
 REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 #: Weight formats that unpickle (and so can run code) when loaded: never published.
 PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar')
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / 'model_cards' / 'patchnorm.md'
+# package data: model_cards/ at the top of the source tree ships as the package timm_affinediv.model_cards
+MODEL_CARD_PACKAGE, MODEL_CARD_TEMPLATE = 'timm_affinediv.model_cards', 'patchnorm.md'
 CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv', 'patchnorm')
 _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
 
@@ -170,6 +172,15 @@ def _replace_dir(src: Path, dst: Path) -> None:
         old.unlink()
 
 
+def model_card_template() -> str:
+    """The model-card template, read from the installed package's data."""
+    try:
+        return (importlib.resources.files(MODEL_CARD_PACKAGE) / MODEL_CARD_TEMPLATE).read_text(encoding='utf-8')
+    except (ModuleNotFoundError, FileNotFoundError) as e:  # a source tree on sys.path, not an installed package
+        raise HubError(f'the model-card template {MODEL_CARD_PACKAGE}/{MODEL_CARD_TEMPLATE} is missing ({e}): '
+                       'install the package (pip install timm-affinediv, or pip install -e . in a checkout).') from e
+
+
 def render_model_card(
         config: dict,
         *,
@@ -235,7 +246,7 @@ def render_model_card(
     )
     results = '\n'.join(f'| {r.metric_name} | {r.dataset_name} ({r.dataset_split}) | {r.metric_value} |'
                         for r in eval_results or [])
-    body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
+    body = string.Template(model_card_template()).substitute(
         model_name=model_name,
         repo_id=repo_id,
         architecture=config['pretrained_cfg']['architecture'],
