@@ -1,4 +1,7 @@
 """Training and fine-tuning timm models (PatchNorm or any other): `Trainer` runs the epochs, the rest is its parts."""
-from .trainer import (
-    CheckpointError, ConfigError, DistillationLoss, NonFiniteLossError, TrainConfig, Trainer, TrainingError,
-    TrainingInterrupted, TrainResult, create_teacher, create_train_model, evaluate, plot_history, resolve_checkpoint)
+from .checkpoint import resolve_checkpoint
+from .config import (
+    CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, TrainingError, TrainingInterrupted, TrainResult)
+from .distill import DistillationLoss, create_teacher
+from .metrics import evaluate, plot_history
+from .trainer import Trainer, create_train_model
