@@ -1,6 +1,6 @@
-""" The practitioner's workflow around the layers: load a trained model, convert it, evaluate, write a Hub folder
+""" Trained models in and out of files: load one (a checkpoint, `local-dir:` or `hf-hub:`), convert it into a Hub folder
 
-`scripts/convert.py` and the demo pipeline (`scripts/pipeline.py`) are thin command lines over this.
+`timm-affinediv convert` and the demo pipeline (`timm_affinediv.pipeline`) are built on this.
 """
 import json
 from pathlib import Path
@@ -13,7 +13,7 @@ from timm.models._input import get_model_args
 
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
-from .hub import save_hub_folder
+from .hub import model_card_template, save_hub_folder
 from .train import evaluate
 
 __all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
@@ -79,6 +79,7 @@ def convert_to_folder(
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
+    model_card_template()  # an install without its templates fails here, not after the conversion
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calibration = None
     if calib_batches:

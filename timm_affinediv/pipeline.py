@@ -1,6 +1,6 @@
 """ The main job: a trained BatchNorm model -> PatchNorm -> fine-tuned with distillation -> Hub-ready folder
 
-`run_pipeline` (and `scripts/pipeline.py`, README's `make demo`) runs it on a built-in default: a narrow
+`run_pipeline` (and `timm-affinediv pipeline`, README's `make demo`) runs it on a built-in default: a narrow
 `resnet18` trained from scratch on a subset of Fashion-MNIST when no trained model is given, so that
 the whole job takes minutes on two CPU cores, offline.
 """
@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 import torch.nn as nn
 from timm.models._input import get_model_args
 
-from .hub import save_hub_folder
+from .hub import model_card_template, save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
 from .model_io import convert_to_folder, hub_dataset, load_trained_model
 
@@ -100,6 +100,7 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
     out = Path(cfg.output)
     if (out / 'model').exists() and not cfg.overwrite:
         raise FileExistsError(f'{out / "model"} already exists; pass --overwrite to run again.')
+    model_card_template()  # an install without its templates fails here, not after training
     out.mkdir(parents=True, exist_ok=True)
     baseline = _baseline(cfg, out)
     converted, report, conversion = convert_to_folder(

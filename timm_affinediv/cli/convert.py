@@ -13,6 +13,7 @@ from pathlib import Path
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
+from timm_affinediv.hub import HubError
 from timm.utils import ParseKwargs
 
 from timm_affinediv.model_io import convert_to_folder, load_trained_model
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
             calib_batches=args.calib_batches, batch_size=args.batch_size, eval_images=args.eval_images,
             base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else None,
             overwrite=args.overwrite, **model_kwargs)
-    except (ConversionError, DataError, FileExistsError) as e:
+    except (ConversionError, DataError, FileExistsError, HubError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(report.format_table())

@@ -15,6 +15,7 @@ from timm.utils import ParseKwargs
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
+from timm_affinediv.hub import HubError
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
 from timm_affinediv.train import TrainingError
 from timm_affinediv.cli import command_parser
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
         args['model_kwargs'] = defaults.model_kwargs if args['model'] == defaults.model else {}
     try:
         summary = run_pipeline(PipelineConfig(**args))
-    except (ConversionError, DataError, TrainingError, FileExistsError) as e:
+    except (ConversionError, DataError, TrainingError, FileExistsError, HubError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
