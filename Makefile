@@ -37,7 +37,7 @@ demo: setup
 
 # from an empty directory, so that only the installed package can be imported
 test: setup
-	cd "$$(mktemp -d)" && $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
+	cd "$$(mktemp -d)" && TIMM_AFFINEDIV_WHEEL_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
 
 bench: setup
 	$(BIN)/timm-affinediv bench

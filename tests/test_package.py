@@ -13,14 +13,15 @@ from timm_affinediv.cli import COMMANDS
 from timm_affinediv.hub import model_card_template
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-UNDER_CI = bool(os.environ.get('CI'))
+# CI, and `make test` everywhere, run the tests against the installed wheel
+WHEEL_RUN = bool(os.environ.get('CI') or os.environ.get('TIMM_AFFINEDIV_WHEEL_TEST'))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=Path(sys.executable).parent)
 
 
-@pytest.mark.skipif(not UNDER_CI, reason='CI (make test) runs the tests against the installed wheel; a checkout may not')
+@pytest.mark.skipif(not WHEEL_RUN, reason='make test and CI run the tests against the installed wheel; a checkout may not')
 def test_ci_imports_the_installed_package_not_the_checkout():
     package = Path(timm_affinediv.__file__).resolve()
     assert not package.is_relative_to(CHECKOUT), f'{package} is the checkout: install the wheel (make test)'
@@ -38,10 +39,10 @@ def test_model_card_template_ships_with_the_package_and_is_the_checkouts():
 
 
 def test_version_and_help_of_every_command():
-    """`python -m timm_affinediv` (and the installed `timm-affinediv`, under CI) names the version and each command's
+    """`python -m timm_affinediv` (and the installed `timm-affinediv`, in a wheel run) names the version and each command's
     defaults and an example; run from outside the checkout."""
     launchers = [[sys.executable, '-m', 'timm_affinediv']]
-    if UNDER_CI:
+    if WHEEL_RUN:
         launchers.append([str(Path(sys.executable).parent / 'timm-affinediv')])
     for launcher in launchers:
         version = _run(*launcher, '--version')
