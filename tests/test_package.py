@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import timm_affinediv
-from timm_affinediv.cli import COMMANDS
+from timm_affinediv.cli import COMMANDS, main
 from timm_affinediv.hub import model_card_template
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -38,19 +38,29 @@ def test_model_card_template_ships_with_the_package_and_is_the_checkouts():
     assert template == (CHECKOUT / 'model_cards' / 'patchnorm.md').read_text(encoding='utf-8')
 
 
-def test_version_and_help_of_every_command():
-    """`python -m timm_affinediv` (and the installed `timm-affinediv`, in a wheel run) names the version and each command's
-    defaults and an example; run from outside the checkout."""
+def test_version_from_outside_the_checkout():
+    """`python -m timm_affinediv` (and, in a wheel run, the installed `timm-affinediv`) names the version, run from a
+    directory outside the checkout."""
     launchers = [[sys.executable, '-m', 'timm_affinediv']]
     if WHEEL_RUN:
         launchers.append([str(Path(sys.executable).parent / 'timm-affinediv')])
     for launcher in launchers:
         version = _run(*launcher, '--version')
-        assert version.returncode == 0 and version.stdout.strip() == f'timm-affinediv {timm_affinediv.__version__}'
-    for command in COMMANDS:
-        result = _run(*launchers[-1], command, '--help')
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith(f'usage: timm-affinediv {command} ')
-        assert '(default: ' in result.stdout and f'examples:\n    timm-affinediv {command}' in result.stdout, result.stdout
-    unknown = _run(*launchers[-1], 'no-such-command')
-    assert unknown.returncode == 2 and 'invalid choice' in unknown.stderr
+        assert version.returncode == 0, version.stderr
+        assert version.stdout.strip() == f'timm-affinediv {timm_affinediv.__version__}'
+
+
+def test_unknown_command_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(['no-such-command'])
+    assert exit.value.code == 2 and "invalid choice: 'no-such-command'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('command', COMMANDS)
+def test_help_of_every_command_names_defaults_and_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, '--help'])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f'usage: timm-affinediv {command} ')
+    assert '(default: ' in text and '\nexamples:\n' in text and f'    timm-affinediv {command} ' in text, text
