@@ -31,7 +31,7 @@ def one_thread():
 
 def _script(name: str):
     """The module of the command `timm-affinediv <name>`."""
-    return importlib.import_module(f'timm_affinediv.cli.{name}')
+    return importlib.import_module(f'timm_affinediv.commands.{name}')
 
 
 def _is_png(path: Path) -> bool:

@@ -256,7 +256,7 @@ def test_push_to_branch_and_pull_request(hub, folder):
 
 
 def _cli():
-    from timm_affinediv.cli.push import main
+    from timm_affinediv.commands.push import main
     return main
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import timm_affinediv
-from timm_affinediv.cli import COMMANDS, main
+from timm_affinediv.commands import COMMANDS, main
 from timm_affinediv.hub import model_card_template
 
 CHECKOUT = Path(__file__).resolve().parents[1]

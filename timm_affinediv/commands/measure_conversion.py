@@ -12,7 +12,7 @@ from timm_affinediv.model_io import load_trained_model
 from timm_affinediv.train import evaluate
 from timm_affinediv.convert import convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from timm_affinediv.experiments import EXPERIMENTS, run_experiment
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from timm_affinediv.train import TrainConfig, Trainer
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def bare_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module,

@@ -18,7 +18,7 @@ import torch
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm', 'l2norm', 'l2norm2d'
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def load_batch(data: str, batch_size: int, seed: int, data_root: str | None) -> torch.Tensor:

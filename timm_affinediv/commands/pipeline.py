@@ -18,7 +18,7 @@ from timm_affinediv.data import DataError
 from timm_affinediv.hub import HubError
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
 from timm_affinediv.train import TrainingError
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ from timm_affinediv.hub import HubError
 from timm.utils import ParseKwargs
 
 from timm_affinediv.model_io import convert_to_folder, load_trained_model
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:

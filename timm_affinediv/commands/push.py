@@ -8,7 +8,7 @@ printed. HF_ENDPOINT selects another Hub endpoint.
 import sys
 
 from timm_affinediv.hub import HubError, push_to_hub
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from timm_affinediv.data import DataError
 from timm_affinediv.pipeline import final_top1, publish_run
 from timm_affinediv.train import (
     NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted)
-from timm_affinediv.cli import command_parser
+from timm_affinediv.commands import command_parser
 
 _logger = logging.getLogger('finetune')
 
