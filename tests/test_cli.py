@@ -1,6 +1,5 @@
 """Every command refuses bad input with one line and exit status 2, before any work, and overwrites nothing unless told
 (the table of issue 13, row by row)."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,32 +10,20 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.binding import SlotLayoutError
-from timm_affinediv.cli import run_main
-
-ROOT = Path(__file__).resolve().parent.parent
+from timm_affinediv.layers.binding import SlotLayoutError
+from timm_affinediv.commands import main
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f'{name}_cli', ROOT / 'scripts' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run(name: str, *argv: str, capsys) -> str:
-    """Run a script's main as its `__main__` does; assert exit status 2 and one line on stderr; return that line."""
-    argv0, sys.argv[0] = sys.argv[0], str(ROOT / 'scripts' / f'{name}.py')  # argparse names the script from it
+def _run(command: str, *argv: str, capsys) -> str:
+    """Run `timm-affinediv COMMAND ARGV...` in this process; assert exit status 2 and one line on stderr; return it."""
     try:
-        status = run_main(_script(name).main, list(argv))
+        status = main([command, *argv])
     except SystemExit as e:  # argparse
         status = e.code
-    finally:
-        sys.argv[0] = argv0
     captured = capsys.readouterr()
     assert status == 2, captured
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f'{name}.py: error: '), lines
+    assert len(lines) == 1 and lines[0].startswith(f'timm-affinediv {command}: error: '), lines
     return lines[0]
 
 
@@ -102,12 +89,12 @@ def test_finetune_keeps_a_finished_run(finished_run, capsys):
     (('--model', 'resnet18', '--samples', '0'), 'argument --samples: 0 is not a positive integer'),
 ])
 def test_divergence_report_bad_arguments(argv, message, capsys):
-    assert message in _run('divergence_report', *argv, capsys=capsys)
+    assert message in _run('report', *argv, capsys=capsys)
 
 
 def test_divergence_report_keeps_an_earlier_report(tmp_path, capsys):
     (tmp_path / 'report.md').write_text('earlier')
-    line = _run('divergence_report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path),
+    line = _run('report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path),
                 capsys=capsys)
     assert 'holds earlier results (report.md)' in line
     assert _snapshot(tmp_path) == {Path('report.md'): b'earlier'}
@@ -130,20 +117,19 @@ def test_push_to_hub_points_a_run_folder_at_its_model_folder(tmp_path, capsys):
         (run / 'model' / name).write_text('x')
     (run / 'checkpoints' / 'epoch-0000').mkdir(parents=True)
     (run / 'checkpoints' / 'epoch-0000' / 'train_state.pt').write_bytes(b'pickle')
-    line = _run('push_to_hub', str(run), '--repo-id', 'org/name', '--dry-run', capsys=capsys)
+    line = _run('push', str(run), '--repo-id', 'org/name', '--dry-run', capsys=capsys)
     assert f'{run} is not a Hub model folder' in line and f'Push its Hub folder {run / "model"} instead' in line
 
 
 def test_scripts_answer_bad_input_in_one_line_without_traceback(tmp_path):
     """The real entry points: argument errors and user errors raised deep in the work, offline Hub included."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]),
-               HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'hf'))
+    env = dict(os.environ, HF_HUB_OFFLINE='1', HF_HOME=str(tmp_path / 'hf'))
     for script, *argv, message in [
-            ('convert.py', '--model', 'hf-hub:org/not-here', '--output', str(tmp_path / 'c'), 'hf-hub:org/not-here'),
-            ('finetune.py', '--train-subset', '-1', '--train-subset'),
-            ('divergence_report.py', '--model', 'resnet18', '--norm', 'foonorm', "'foonorm'")]:
-        proc = subprocess.run([sys.executable, str(ROOT / 'scripts' / script), *argv], env=env, capture_output=True,
-                              text=True, timeout=120)
+            ('convert', '--model', 'hf-hub:org/not-here', '--output', str(tmp_path / 'c'), 'hf-hub:org/not-here'),
+            ('finetune', '--train-subset', '-1', '--train-subset'),
+            ('report', '--model', 'resnet18', '--norm', 'foonorm', "'foonorm'")]:
+        proc = subprocess.run([sys.executable, '-m', 'timm_affinediv', script, *argv], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and 'Traceback' not in proc.stderr, (script, proc.stderr)
         assert len(lines) == 1 and 'error' in lines[0] and message in lines[0], (script, lines)
@@ -159,7 +145,7 @@ def test_patchnorm_in_a_token_model_is_refused_at_create_model():
 def test_convert_to_folder_refuses_negative_sizes(tmp_path):
     """The library call behind convert.py: a negative count must not turn into 'all but the last N images'."""
     from timm_affinediv.convert import ConversionError
-    from timm_affinediv.workflow import convert_to_folder
+    from timm_affinediv.model_io import convert_to_folder
     with pytest.raises(ConversionError, match='calib_batches must be >= 0'):
         convert_to_folder(timm.create_model('test_resnet'), str(tmp_path / 'out'), calib_batches=-1)
     assert not (tmp_path / 'out').exists()

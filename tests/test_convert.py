@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots
+from timm_affinediv.commands.convert import main as convert_command
 from timm_affinediv.convert import ConversionError, convert_model
 from timm_affinediv.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, FashionMNIST
 
@@ -144,7 +145,7 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
     """The layer-by-layer fit as it was: every layer reruns both prefixes on every batch (layers x batches)."""
     from timm_affinediv.convert import (_NormalEquations, _as_channels, _carry_weights, _check_norms,
                                         _layer_params, _set_layer_params, build_converted)
-    from timm_affinediv.slot import PatchNormSlot
+    from timm_affinediv.layers.slot import PatchNormSlot
     converted = build_converted(model).eval()
     _carry_weights(model, converted, _check_norms(model, converted))
     order = []
@@ -219,18 +220,9 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
         torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
 
 
-def _script(name):
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / 'scripts' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, monkeypatch):
     from PIL import Image
-    import timm_affinediv.workflow as workflow
+    import timm_affinediv.model_io as workflow
     rng = np.random.default_rng(0)
     pixels = []
     for i in range(6):
@@ -249,7 +241,7 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         seen.extend(calibration)
         return convert_model(model, norm, calibration, **kwargs)
     monkeypatch.setattr(workflow, 'convert_model', spy)
-    status = _script('convert').main([
+    status = convert_command([
         '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
         f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
         '--calib-data', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
@@ -270,6 +262,6 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
 
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
     overlay = dict(file=str(tmp_path / 'absent.pth'))
-    status = _script('convert').main(['--model', 'resnet18', '--pretrained', '--model-kwargs',
+    status = convert_command(['--model', 'resnet18', '--pretrained', '--model-kwargs',
                                       f'pretrained_cfg_overlay={overlay!r}', '--output', str(tmp_path / 'out')])
     assert status == 2 and 'cannot' in capsys.readouterr().err and not (tmp_path / 'out').exists()

@@ -1,6 +1,7 @@
 """Evidence tooling: the divergence report (measured factors, table, plots) and the experiments' quick mode."""
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import json
 import os
@@ -19,7 +20,6 @@ from timm_affinediv.experiments import (
     CONV_MODELS, MLP_VARIANTS, QUICK, Config, Splits, mlp_model, run_experiment, settings, slope_interval,
     train_run)
 
-ROOT = Path(__file__).resolve().parents[1]
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -34,10 +34,8 @@ def one_thread():
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / 'scripts' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The module of the command `timm-affinediv <name>`."""
+    return importlib.import_module(f'timm_affinediv.commands.{name}')
 
 
 def _is_png(path: Path) -> bool:
@@ -103,7 +101,7 @@ def test_report_refuses_bad_input():
 
 
 def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path, capsys):
-    script = _script('divergence_report')
+    script = _script('report')
     assert script.main(['--model', 'resnet10t', '--norm', 'patchnorm', '--data', 'random', '--batch-size', '4',
                         '--in-chans', '1', '--img-size', '32', '--samples', '2', '--positions', '1',
                         '--output', str(tmp_path)]) == 0

@@ -1,8 +1,6 @@
 """Deployment: patchnorm/affinediv models export to ONNX (both exporters), TorchScript and torch.export with
 eager's numbers, and an export that would change them is refused."""
-import runpy
 import warnings
-from pathlib import Path
 
 import pytest
 import timm
@@ -38,7 +36,7 @@ def _model(key: str) -> nn.Module:
     # random, not identity, slot affines: a path that drops or doubles one shows
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, timm_affinediv.slot.PatchNormSlot):
+            if isinstance(module, timm_affinediv.layers.slot.PatchNormSlot):
                 module.weight.uniform_(0.5, 1.5)
                 module.bias.normal_(0, 0.1)
     return model
@@ -119,7 +117,7 @@ def test_export_that_changes_numbers_is_refused(tmp_path):
 
 
 def test_export_script(tmp_path, capsys):
-    main = runpy.run_path(str(Path(__file__).parents[1] / 'scripts' / 'export_onnx.py'))['main']
+    from timm_affinediv.commands.export import main
     model = _model('resnet18-patchnorm')
     checkpoint = tmp_path / 'model.safetensors'
     save_file(model.state_dict(), str(checkpoint))

@@ -1,7 +1,5 @@
 """Hub folders, model cards, and push/load over real HTTP against a Hub on loopback (tests/hub_server.py)."""
-import importlib.util
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,10 +14,8 @@ from huggingface_hub import ModelCard, constants
 from torch import nn
 
 from hub_server import HubServer
-from timm_affinediv.cli import run_main
 from timm_affinediv.hub import HubError, push_to_hub, render_model_card, save_hub_folder
 
-ROOT = Path(__file__).resolve().parent.parent
 REPO_ID = 'test-org/test-resnet-fmnist'
 TOKEN = 'hf_loopback_test_token'
 MODEL_ARGS = {'num_classes': 10, 'in_chans': 1}
@@ -47,9 +43,8 @@ def _isolate_hub_env(mp: pytest.MonkeyPatch, home: Path) -> None:
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
-    """Run Python in a fresh process, with this checkout importable and the current (test) environment."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120)
+    """Run this Python (and the package it has installed) in a fresh process, in the current (test) environment."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope='module')
@@ -261,10 +256,8 @@ def test_push_to_branch_and_pull_request(hub, folder):
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location('push_to_hub_cli', ROOT / 'scripts' / 'push_to_hub.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return lambda argv: run_main(module.main, argv)
+    from timm_affinediv.commands import main
+    return lambda argv: main(['push', *argv])
 
 
 def test_cli_dry_run_lists_files_and_target_and_uploads_nothing(hub, folder, capsys):
@@ -344,11 +337,11 @@ def test_cli_unreachable_endpoint_is_one_clear_line(folder, tmp_path, monkeypatc
     _isolate_hub_env(monkeypatch, tmp_path)
     monkeypatch.setenv('HF_ENDPOINT', endpoint)
     monkeypatch.setenv('HF_TOKEN', TOKEN)
-    result = _python(str(ROOT / 'scripts' / 'push_to_hub.py'), str(folder), '--repo-id', REPO_ID)
+    result = _python('-m', 'timm_affinediv', 'push', str(folder), '--repo-id', REPO_ID)
     assert result.returncode == 2
     assert 'Traceback' not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f'push_to_hub.py: error: cannot reach the Hub at {endpoint}'), lines
+    assert len(lines) == 1 and lines[0].startswith(f'timm-affinediv push: error: cannot reach the Hub at {endpoint}'), lines
     assert TOKEN not in result.stderr + result.stdout
 
 

@@ -13,7 +13,7 @@ import pytest
 import timm
 
 import timm_affinediv
-from timm_affinediv.slot import PatchNormSlot
+from timm_affinediv.layers.slot import PatchNormSlot
 
 TIMM_TESTS = Path(__file__).parents[1] / '.timm-tests' / f'timm-{timm.__version__}' / 'tests' / 'test_models.py'
 CHECKS = ['test_model_forward', 'test_model_backward', 'test_model_forward_torchscript', 'test_model_forward_fx',

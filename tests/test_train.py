@@ -22,7 +22,6 @@ from timm_affinediv.train import (
     CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, Trainer, TrainingInterrupted, evaluate,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(channels=(16, 32, 64, 128), stem_width=16)  # a narrow resnet18: fast on 2 CPU cores
 
 pytestmark = pytest.mark.skipif(
@@ -313,9 +312,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def test_cli_bad_input_exits_with_message(tmp_path, capfd):
-    script = os.path.join(REPO, 'scripts', 'finetune.py')
     proc = subprocess.run(
-        [sys.executable, script, '--dataset', '', '--data-dir', str(tmp_path / 'missing'), '--output',
+        [sys.executable, '-m', 'timm_affinediv', 'finetune', '--dataset', '', '--data-dir', str(tmp_path / 'missing'), '--output',
          str(tmp_path / 'out')], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and 'does not exist' in proc.stderr
 
@@ -324,12 +322,11 @@ def test_torchrun_two_processes(tmp_path):
     """DDP on CPU (gloo): both ranks train; rank 0 writes; metrics are reduced over the ranks' shards."""
     out = tmp_path / 'ddp'
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-           os.path.join(REPO, 'scripts', 'finetune.py'), '--model', 'resnet18', '--model-kwargs',
+           '-m', 'timm_affinediv', 'finetune', '--model', 'resnet18', '--model-kwargs',
            'channels=(16,32,64,128)', 'stem_width=16', '--num-classes', '10', '--epochs', '2', '-b', '16',
            '--train-subset', '128', '--val-subset', '96', '-j', '0', '--lr', '3e-3', '--log-interval', '2',
            '--no-progress', '--output', str(out)]
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=300)

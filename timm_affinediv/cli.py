@@ -1,6 +1,6 @@
 """ The command lines' shared argument checks and error handling
 
-Every script in `scripts/` parses its flags with `ArgumentParser` and these `argparse` types, so bad input stops
+Every command (`timm_affinediv.commands`) parses its flags with `ArgumentParser` and these `argparse` types, so bad input stops
 before any work with one line (`finetune.py: error: argument --train-subset: -1 is not a positive integer`) and exit
 status 2,
 and runs its `main` through `run_main`, which turns the package's user-facing errors (a checkpoint that does not
@@ -15,7 +15,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import timm
 from timm.layers import create_norm, create_norm_act
 
-from .binding import SlotLayoutError
+from .layers.binding import SlotLayoutError
 from .convert import ConversionError
 from .data import DataError
 from .hub import HubError
@@ -139,11 +139,13 @@ def refuse_existing_output(path: str | Path, flag: str = '--overwrite', names: O
                               'or choose another --output.')
 
 
-def run_main(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None) -> int:
-    """Run a script's `main`; a user-facing error becomes `<script>: error: <message>` on stderr and status 2."""
+def run_main(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None,
+             prog: Optional[str] = None) -> int:
+    """Run a command's `main`; a user-facing error becomes `<prog>: error: <message>` on stderr and status 2
+    (`prog` defaults to the name of `main`'s file)."""
     try:
         return main(argv)
     except USER_ERRORS as e:
         message = ' '.join(str(e).split())  # one line: some messages span several
-        print(f'{Path(main.__code__.co_filename).name}: error: {message}', file=sys.stderr)
+        print(f'{prog or Path(main.__code__.co_filename).name}: error: {message}', file=sys.stderr)
         return 2

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from timm.layers import get_notrace_functions, get_notrace_modules
 from timm.models._input import get_model_args
 
-from .affine_div import AffineDivLinear, PatchNormConv2d
-from .slot import PatchNormSlot
+from .layers.affine_div import AffineDivLinear, PatchNormConv2d
+from .layers.slot import PatchNormSlot
 
 __all__ = ['convert_model', 'ConversionError', 'ConversionReport', 'LayerFit', 'CONVERSION_NORMS']
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .affine_div import AffineDivLinear, PatchNormConv2d
+from .layers.affine_div import AffineDivLinear, PatchNormConv2d
 
 __all__ = ['LayerFactorStats', 'divergence_report', 'format_report', 'plot_report', 'update_factor']
 

@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import GroupNorm
 
-from .affine_div import AffineDivLinear
-from .norm import L2NormLinear
+from .layers.affine_div import AffineDivLinear
+from .layers.norm import L2NormLinear
 
 __all__ = [
     'EXPERIMENTS', 'Config', 'RunResult', 'Setting', 'Splits', 'conv_model', 'load_fashion_mnist', 'mlp_model',

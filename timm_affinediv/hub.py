@@ -16,6 +16,7 @@ with the saved ``model_args``. Without the plugin the user sees
 timm_affinediv before timm.create_model))`` for every architecture, where a norm name alone
 would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
 """
+import importlib.resources
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from timm.models import model_entrypoint, register_model, save_for_hf
 from timm.models._input import get_model_input_config
 from torch import nn
 
-from .binding import fake_eval
+from .layers.binding import fake_eval
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
 
@@ -49,7 +50,8 @@ CARD_NAME = 'README.md'
 REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 #: Weight formats that unpickle (and so can run code) when loaded: never published.
 PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar')
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / 'model_cards' / 'patchnorm.md'
+# package data: model_cards/ at the top of the source tree ships as the package timm_affinediv.model_cards
+MODEL_CARD_PACKAGE, MODEL_CARD_TEMPLATE = 'timm_affinediv.model_cards', 'patchnorm.md'
 CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv')
 #: Norm layers whose name is also a card tag: only models that have them are tagged so.
 NORM_TAGS = ('patchnorm', 'affinediv')
@@ -220,6 +222,15 @@ def _replace_dir(src: Path, dst: Path) -> None:
         old.unlink()
 
 
+def model_card_template() -> str:
+    """The model-card template, read from the installed package's data."""
+    try:
+        return (importlib.resources.files(MODEL_CARD_PACKAGE) / MODEL_CARD_TEMPLATE).read_text(encoding='utf-8')
+    except (ModuleNotFoundError, FileNotFoundError) as e:  # a source tree on sys.path, not an installed package
+        raise HubError(f'the model-card template {MODEL_CARD_PACKAGE}/{MODEL_CARD_TEMPLATE} is missing ({e}): '
+                       'install the package (pip install timm-affinediv, or pip install -e . in a checkout).') from e
+
+
 def render_model_card(
         config: dict,
         *,
@@ -295,12 +306,12 @@ def render_model_card(
     results = '\n'.join(f'| {r.metric_name} | {eval_set} | {r.metric_value} |' for r in eval_results or [])
     base_model = ' '.join(filter(None, [f'[{data.base_model}](https://huggingface.co/{data.base_model})'
                                         if data.base_model else None, base_model_description]))
-    body = string.Template(MODEL_CARD_TEMPLATE.read_text(encoding='utf-8')).substitute(
+    body = string.Template(model_card_template()).substitute(
         model_name=model_name,
         repo_id=repo_id or REPO_PLACEHOLDER,
         repo_note='' if repo_id else (
             f'\n`{REPO_PLACEHOLDER}` stands for the repo this folder is pushed to: replace it with that repo id '
-            '(`scripts/push_to_hub.py FOLDER --repo-id ORG/NAME`).\n'),
+            '(`timm-affinediv push FOLDER --repo-id ORG/NAME`).\n'),
         architecture=config['pretrained_cfg']['architecture'],
         norm_description=_norm_description(norm_layer),
         model_args=json.dumps(model_args),

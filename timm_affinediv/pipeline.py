@@ -1,6 +1,6 @@
 """ The main job: a trained BatchNorm model -> PatchNorm -> fine-tuned with distillation -> Hub-ready folder
 
-`run_pipeline` (and `scripts/pipeline.py`, README's `make demo`) runs it on a built-in default: a narrow
+`run_pipeline` (and `timm-affinediv pipeline`, README's `make demo`) runs it on a built-in default: a narrow
 `resnet18` trained from scratch on a subset of Fashion-MNIST when no trained model is given, so that
 the whole job takes minutes on two CPU cores, offline.
 """
@@ -16,9 +16,9 @@ from timm.models._input import get_model_args
 
 from .cli import refuse_existing_output
 from .data import is_fashion_mnist
-from .hub import PLOT_NAME, save_hub_folder
+from .hub import PLOT_NAME, model_card_template, save_hub_folder
 from .train import TrainConfig, Trainer, TrainResult
-from .workflow import convert_to_folder, hub_dataset, load_trained_model
+from .model_io import convert_to_folder, hub_dataset, load_trained_model
 
 __all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1', 'train_config']
 
@@ -115,6 +115,7 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
     out = Path(cfg.output)
     if not cfg.overwrite:
         refuse_existing_output(out)
+    model_card_template()  # an install without its templates fails here, not after training
     out.mkdir(parents=True, exist_ok=True)
     baseline = _baseline(cfg, out)
     source = (f'`{cfg.checkpoint}`' if cfg.checkpoint else

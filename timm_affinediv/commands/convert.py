@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Convert a trained BatchNorm/LayerNorm timm model to PatchNorm and write a Hub-ready folder.
 
-    python scripts/convert.py --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
+    timm-affinediv convert --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1 \\
         --calib-data fashion-mnist --calib-batches 32 --output runs/resnet18-patchnorm
-    python scripts/convert.py --model local-dir:runs/baseline --output runs/converted
-    python scripts/convert.py --model resnet50.a1_in1k --pretrained --calib-data PATH --calib-images 1024 \
+    timm-affinediv convert --model local-dir:runs/baseline --output runs/converted
+    timm-affinediv convert --model resnet50.a1_in1k --pretrained --calib-data PATH --calib-images 1024 \
         --eval-images 0 --output runs/resnet50-patchnorm
 
 With an image folder (`PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) the images
@@ -19,18 +18,20 @@ from pathlib import Path
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.cli import (
-    ArgumentParser, data_source, existing_dir, existing_file, model_name, non_negative_int, positive_float, positive_int,
+    data_source, existing_dir, existing_file, model_name, non_negative_int, positive_float, positive_int,
     refuse_existing_output,
     run_main)
 from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
 from timm_affinediv.data import DataError
+from timm_affinediv.hub import HubError
 from timm.utils import ParseKwargs
 
-from timm_affinediv.workflow import convert_to_folder, load_trained_model
+from timm_affinediv.model_io import convert_to_folder, load_trained_model
+from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = command_parser('convert', __doc__)
     parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint or --pretrained), hf-hub:org/name or local-dir:PATH')
     parser.add_argument('--pretrained', action='store_true', help="timm's pretrained weights for the model name")
     parser.add_argument('--checkpoint', type=existing_file, help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
                 model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
             overwrite=args.overwrite, **model_kwargs)
-    except (ConversionError, DataError, FileExistsError) as e:
+    except (ConversionError, DataError, FileExistsError, HubError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2
     print(report.format_table())

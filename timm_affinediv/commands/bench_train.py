@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Throughput of the Trainer's training loop against a bare PyTorch loop on the same model, optimiser and data, one run.
 
 Both loops train the Trainer's model with its optimiser on the same batches from the same loader (pre-loaded into
@@ -6,11 +5,10 @@ memory, so data loading is left out) and alternate for several rounds, each goin
 median and the best images/s of each are compared (on a shared machine the best round is the steadier estimate).
 The issue asks for an overhead under 10%.
 
-    python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 6
+    timm-affinediv bench-train --model resnet18 --batch-size 64 --steps 20 --rounds 6
 """
 import argparse
 import ast
-import os
 import statistics
 import sys
 import time
@@ -20,10 +18,9 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from timm_affinediv.cli import ArgumentParser, positive_int, run_main, timm_model_name  # noqa: E402
-from timm_affinediv.train import TrainConfig, Trainer  # noqa: E402
+from timm_affinediv.cli import positive_int, run_main, timm_model_name
+from timm_affinediv.commands import command_parser
+from timm_affinediv.train import TrainConfig, Trainer
 
 
 def bare_loop(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module,
@@ -67,7 +64,7 @@ def python_dict(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser('bench-train', __doc__)
     p.add_argument('--model', default='resnet18', type=timm_model_name)
     p.add_argument('--model-kwargs', default={}, type=python_dict,
                    help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
@@ -121,6 +118,7 @@ def main(argv=None) -> int:
               f'(overhead {100 * (1 - o / b):.1f}%)')
     return 0
 
+    return 0
 
 if __name__ == '__main__':
     sys.exit(run_main(main))

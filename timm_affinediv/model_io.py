@@ -1,6 +1,6 @@
-""" The practitioner's workflow around the layers: load a trained model, convert it, evaluate, write a Hub folder
+""" Trained models in and out of files: load one (a checkpoint, `local-dir:` or `hf-hub:`), convert it into a Hub folder
 
-`scripts/convert.py` and the demo pipeline (`scripts/pipeline.py`) are thin command lines over this.
+`timm-affinediv convert` and the demo pipeline (`timm_affinediv.pipeline`) are built on this.
 """
 import json
 from pathlib import Path
@@ -13,7 +13,7 @@ from timm.models._input import get_model_args
 
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
-from .hub import save_hub_folder
+from .hub import model_card_template, save_hub_folder
 from .train import evaluate
 
 __all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
@@ -105,6 +105,7 @@ def convert_to_folder(
         raise ConversionError(f'calib_batches must be >= 0 (got {calib_batches}), batch_size >= 1 (got {batch_size}), '
                               f'calib_images >= 0 or None (got {calib_images}), '
                               f'eval_images >= 0 or None (got {eval_images}).')
+    model_card_template()  # an install without its templates fails here, not after the conversion
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calib_images = calib_batches * batch_size if calib_images is None else calib_images
     calibration = None

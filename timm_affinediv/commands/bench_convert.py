@@ -1,14 +1,13 @@
-#!/usr/bin/env python3
 """Conversion cost in forward passes: `convert_model` time / one forward pass of the original over the same
 calibration set, for full-width models (random weights: the cost does not depend on them).
 
-    python scripts/bench_convert.py                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
-    python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
+    timm-affinediv bench-convert                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
+    timm-affinediv bench-convert --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
 Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Run on an idle machine:
 both times are measured in the same run, side by side, so the ratio is what to compare.
 """
-import argparse
+import sys
 import time
 
 import timm
@@ -17,6 +16,8 @@ import torch
 import timm_affinediv  # noqa: F401
 from timm_affinediv.convert import convert_model, resolve_device
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.cli import positive_int, run_main
+from timm_affinediv.commands import command_parser
 
 
 def calibration_set(setting: str, batches: int, batch_size: int, model: torch.nn.Module) -> list:
@@ -40,16 +41,16 @@ def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device)
         return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def main(argv=None) -> int:
+    parser = command_parser('bench-convert', __doc__)
     parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
     parser.add_argument('--settings', nargs='+', default=['synthetic-224', 'fashion-mnist-32'],
                         choices=['synthetic-224', 'fashion-mnist-32'])
-    parser.add_argument('--batches', type=int, nargs=2, default=(8, 32), metavar=('AT_224', 'AT_32'),
+    parser.add_argument('--batches', type=positive_int, nargs=2, default=(8, 32), metavar=('AT_224', 'AT_32'),
                         help='calibration batches at 224 and at 32 (default 8 and 32)')
-    parser.add_argument('--batch-size', type=int, nargs=2, default=(8, 64), metavar=('AT_224', 'AT_32'))
-    parser.add_argument('--device', default='auto')
-    args = parser.parse_args()
+    parser.add_argument('--batch-size', type=positive_int, nargs=2, default=(8, 64), metavar=('AT_224', 'AT_32'))
+    parser.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'))
+    args = parser.parse_args(argv)
     device = resolve_device(args.device)
     rows = []
     for setting in args.settings:
@@ -71,7 +72,8 @@ def main() -> None:
     print('|---|---|---|---:|---:|---:|')
     for name, setting, calib, forward, seconds in rows:
         print(f'| {name} | {setting} | {calib} | {forward:.1f} | {seconds:.1f} | {seconds / forward:.1f} |')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main))

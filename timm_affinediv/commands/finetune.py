@@ -1,13 +1,12 @@
-#!/usr/bin/env python3
 """Train or fine-tune a timm model (PatchNorm or any other) on Fashion-MNIST or an image folder.
 
 Flags follow timm's train.py. One process:
-    python scripts/finetune.py --model resnet18 --num-classes 10 --epochs 5 --output runs/r18
+    timm-affinediv finetune --model resnet18 --num-classes 10 --epochs 5 --output runs/r18
 Fine-tune a converted model with distillation from the original:
-    python scripts/finetune.py --model resnet18 --norm-layer patchnorm --initial-checkpoint converted/ \\
+    timm-affinediv finetune --model resnet18 --norm-layer patchnorm --initial-checkpoint converted/ \\
         --teacher resnet18 --teacher-checkpoint original/ --distill-weight 0.5 --output runs/r18-pn
 Several processes (DistributedDataParallel; gloo on CPU, nccl on CUDA):
-    torchrun --nproc_per_node=2 scripts/finetune.py --model resnet18 --num-classes 10 --output runs/ddp
+    torchrun --nproc_per_node=2 -m timm_affinediv finetune --model resnet18 --num-classes 10 --output runs/ddp
 Resume (same result as an uninterrupted run):  ... --resume runs/r18
 """
 import argparse
@@ -24,12 +23,13 @@ from timm.utils import ParseKwargs, setup_default_logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from timm_affinediv.cli import (  # noqa: E402
-    ArgumentParser, existing_dir, existing_path, non_negative_float, non_negative_int, norm_name, positive_float,
+    existing_dir, existing_path, non_negative_float, non_negative_int, norm_name, positive_float,
     positive_int, refuse_existing_output, run_main, timm_model_name, unit_interval)
 from timm_affinediv.data import DataError  # noqa: E402
 from timm_affinediv.pipeline import final_top1, publish_run  # noqa: E402
 from timm_affinediv.train import (  # noqa: E402
     NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted)
+from timm_affinediv.commands import command_parser
 
 _logger = logging.getLogger('finetune')
 
@@ -37,7 +37,7 @@ _logger = logging.getLogger('finetune')
 def build_parser() -> argparse.ArgumentParser:
     """The command line; each flag's `dest` is a `TrainConfig` field, but `--overwrite`."""
     d = TrainConfig()
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command_parser('finetune', __doc__)
     g = p.add_argument_group('model')
     g.add_argument('--model', default=d.model, type=timm_model_name, help=f'timm model name (default: {d.model})')
     g.add_argument('--pretrained', action='store_true', help='start from timm pretrained weights')

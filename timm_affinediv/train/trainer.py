@@ -1,4 +1,4 @@
-"""Training and fine-tuning of any timm model, at the standard of timm's `train.py`, as a library.
+"""The epoch loop of training and fine-tuning any timm model, at the standard of timm's `train.py`, as a library.
 
 `TrainConfig` holds the settings (the fields mirror timm's `train.py` flags), `Trainer` runs them:
 
@@ -9,235 +9,49 @@ Built on timm's factories and helpers: `create_optimizer_v2`, `create_scheduler_
 distillation from a teacher, per-epoch evaluation (loss, top-1, top-5, images/s), CSV / JSON / PNG logs, and
 atomic checkpoints (safetensors weights + optimizer, scheduler, EMA, step and RNG states) from which `resume`
 reproduces an uninterrupted run. Under `torchrun` it trains with DistributedDataParallel; only rank 0 writes files.
+
+The parts live beside it: `config` (settings, errors), `checkpoint` (checkpoint I/O), `distributed` (set-up),
+`distill` (the distillation loss and teacher), `metrics` (evaluation, logs and plots).
 """
-import csv
 import dataclasses
-import io
 import json
 import logging
 import math
 import os
-import random
-import shutil
 import signal
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional
 
-import numpy as np
 import timm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
-from timm.utils import ModelEmaV3, NativeScaler, accuracy, dispatch_clip_grad, distribute_bn, random_seed
-from timm.utils.distributed import init_distributed_device_so
+from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_bn, random_seed
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .binding import bind_patchnorm
-from .data import (
+from ..layers.binding import bind_patchnorm
+from ..data import (
     create_eval_loader, create_train_loader, dataset_num_classes, describe_split, is_fashion_mnist,
     resolve_dataset_data_config, set_loader_epoch,
 )
+from .checkpoint import (
+    CHECKPOINT_FORMAT, _EMA_FILE, _MODEL_FILE, _STATE_FILE, _atomic_dir, _atomic_write_text, _load_weights,
+    _read_weights, _rng_state, _save_safetensors, _set_rng_state, prune_checkpoints, resolve_checkpoint)
+from .config import (
+    AMP_DTYPES, CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, TrainingInterrupted, TrainResult)
+from .distill import DistillationLoss, create_teacher
+from .distributed import init_distributed
+from .metrics import evaluate, write_metrics
 
-__all__ = [
-    'TrainConfig', 'Trainer', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError',
-    'NonFiniteLossError', 'TrainingInterrupted', 'DistillationLoss', 'create_train_model', 'create_teacher',
-    'resolve_checkpoint', 'plot_history', 'evaluate',
-]
+__all__ = ['Trainer', 'create_train_model']
 
 _logger = logging.getLogger(__name__)
-
-CHECKPOINT_FORMAT = 1
-_STATE_FILE = 'train_state.pt'
-_MODEL_FILE = 'model.safetensors'
-_EMA_FILE = 'ema.safetensors'
-_AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
-
-
-class TrainingError(RuntimeError):
-    """Base class of the errors a training run reports to its user."""
-
-
-class ConfigError(TrainingError, ValueError):
-    """Settings that cannot work together (e.g. a head whose class count does not match the dataset)."""
-
-
-class CheckpointError(TrainingError):
-    """A checkpoint that cannot be read, or was written for another model or run."""
-
-
-class NonFiniteLossError(TrainingError):
-    """The training loss became NaN or infinite; the last good checkpoint is left as it was."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped by Ctrl-C / SIGTERM after writing a checkpoint (`checkpoint` is its folder, or None)."""
-
-    def __init__(self, checkpoint: Optional[str]):
-        super().__init__(f'training interrupted, checkpoint written to {checkpoint}' if checkpoint else
-                         'training interrupted')
-        self.checkpoint = checkpoint
-
-
-@dataclass
-class TrainConfig:
-    """Settings of a training run; field names follow timm's `train.py` flags (`--grad-accum-steps` ->
-    `grad_accum_steps`). `model_kwargs` go to `timm.create_model` (with `norm_layer` / `in_chans` / `num_classes`)."""
-    # model
-    model: str = 'resnet18'
-    pretrained: bool = False
-    initial_checkpoint: Optional[str] = None
-    model_kwargs: Dict[str, Any] = field(default_factory=dict)
-    norm_layer: Optional[str] = None
-    num_classes: Optional[int] = None
-    in_chans: Optional[int] = None
-    # data
-    dataset: str = 'fashion-mnist'
-    data_dir: Optional[str] = None
-    train_split: str = 'train'
-    val_split: str = 'validation'
-    img_size: Optional[int] = None
-    train_subset: Optional[int] = None
-    val_subset: Optional[int] = None
-    batch_size: int = 128
-    validation_batch_size: Optional[int] = None
-    workers: int = 2
-    no_aug: bool = False
-    scale: Optional[Tuple[float, float]] = (0.75, 1.0)  # random-resized-crop area; milder than timm's (0.08, 1)
-    hflip: float = 0.5
-    color_jitter: float = 0.
-    # optimisation
-    epochs: int = 10
-    opt: str = 'adamw'
-    lr: float = 1e-3
-    momentum: float = 0.9
-    weight_decay: float = 0.05
-    sched: str = 'cosine'
-    sched_on_updates: bool = True
-    warmup_epochs: int = 0
-    warmup_lr: float = 1e-5
-    min_lr: float = 0.
-    smoothing: float = 0.1
-    amp: bool = False
-    amp_dtype: Optional[str] = None  # None: bfloat16 on CPU, float16 on CUDA
-    grad_accum_steps: int = 1
-    clip_grad: Optional[float] = None
-    clip_mode: str = 'norm'
-    model_ema: bool = False
-    model_ema_decay: float = 0.9998
-    model_ema_warmup: bool = False
-    # distillation
-    teacher: Optional[str] = None
-    teacher_checkpoint: Optional[str] = None
-    teacher_kwargs: Dict[str, Any] = field(default_factory=dict)
-    distill_weight: float = 0.5
-    distill_temperature: float = 4.0
-    # run
-    seed: int = 42
-    device: Optional[str] = None  # None: cuda if available, else cpu
-    output: str = 'runs/finetune'
-    resume: Optional[str] = None
-    checkpoint_hist: int = 1
-    log_interval: int = 50
-    progress: bool = True
-
-    def validate(self) -> None:
-        """Raise `ConfigError` for settings that cannot work."""
-        checks = [
-            (self.epochs >= 1, f'epochs must be >= 1, got {self.epochs}'),
-            (self.batch_size >= 1, f'batch size must be >= 1, got {self.batch_size}'),
-            (self.grad_accum_steps >= 1, f'grad-accum-steps must be >= 1, got {self.grad_accum_steps}'),
-            (0. <= self.distill_weight <= 1., f'distill-weight must be in [0, 1], got {self.distill_weight}'),
-            (self.distill_temperature > 0, f'distill-temperature must be > 0, got {self.distill_temperature}'),
-            (0. <= self.smoothing < 1., f'smoothing must be in [0, 1), got {self.smoothing}'),
-            (self.amp_dtype in (None, *_AMP_DTYPES), f"amp-dtype must be one of {list(_AMP_DTYPES)}, "
-                                                       f"got '{self.amp_dtype}'"),
-            (self.num_classes is None or self.num_classes >= 1, f'num-classes must be >= 1, got {self.num_classes}'),
-            (self.train_subset is None or self.train_subset >= 1, f'train-subset must be >= 1, got {self.train_subset}'),
-            (self.val_subset is None or self.val_subset >= 1, f'val-subset must be >= 1, got {self.val_subset}'),
-            (self.log_interval >= 1, f'log-interval must be >= 1, got {self.log_interval}'),
-            (self.checkpoint_hist >= 1, f'checkpoint-hist must be >= 1, got {self.checkpoint_hist}'),
-            (not (self.teacher_checkpoint and not self.teacher),
-             'teacher-checkpoint needs --teacher MODEL_NAME (the architecture of the checkpoint)'),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
-
-
-@dataclass
-class TrainResult:
-    """What a finished run leaves for publishing (e.g. `timm_affinediv.hub.save_hub_folder`).
-
-    `model` holds the final weights (the EMA weights when EMA is on), also written to `<output>/model.safetensors`;
-    `model_args` rebuild its architecture with `timm.create_model(model_name, **model_args)` (for a ready model
-    given to the Trainer, as far as `TrainConfig.model` / `model_kwargs` / `norm_layer` describe it).
-    """
-    model: nn.Module
-    model_name: str
-    model_args: Dict[str, Any]
-    metrics: Dict[str, float]
-    best_metrics: Dict[str, float]
-    history: List[Dict[str, float]]
-    output_dir: str
-    weights_file: str
-    eval_set: str = ''  # the validation set in words, with its size (`describe_split`)
-
-
-class DistillationLoss(nn.Module):
-    """Hard-label loss blended with knowledge distillation from a teacher's logits.
-
-    loss = (1 - weight) * base_loss(student, target) + weight * T^2 * KL(softmax(teacher / T) || softmax(student / T))
-    (Hinton et al. 2015; the T^2 factor keeps the soft gradients' scale independent of the temperature T).
-    """
-
-    def __init__(self, base_loss: nn.Module, weight: float = 0.5, temperature: float = 4.0):
-        super().__init__()
-        self.base_loss = base_loss
-        self.weight = weight
-        self.temperature = temperature
-
-    def forward(self, logits: torch.Tensor, teacher_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        hard = self.base_loss(logits, target)
-        t = self.temperature
-        soft = F.kl_div(
-            F.log_softmax(logits.float() / t, dim=-1), F.log_softmax(teacher_logits.float() / t, dim=-1),
-            reduction='batchmean', log_target=True) * (t * t)
-        return (1. - self.weight) * hard + self.weight * soft
-
-
-def _weights_file(path: str) -> str:
-    """A weights file, or the `model.safetensors` of a (Hub-format) folder."""
-    if os.path.isdir(path):
-        path = os.path.join(path, _MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f'checkpoint {path} not found; give a .safetensors / .pth file or a folder holding '
-                          f'{_MODEL_FILE}.')
-    return path
-
-
-def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
-    """A state dict from a weights file or Hub-format folder (timm's `load_state_dict`: safetensors / .pth, EMA
-    weights preferred), with an error that says what is wrong."""
-    path = _weights_file(path)
-    try:
-        return timm.models.load_state_dict(path)
-    except Exception as e:  # truncated or not a checkpoint at all: many exception types
-        raise ConfigError(f'{what} {path} is unreadable ({type(e).__name__}: {e}).') from e
-
-
-def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
-    try:
-        model.load_state_dict(state_dict, strict=True)
-    except RuntimeError as e:  # missing / unexpected keys, shape mismatches
-        raise ConfigError(f'{what} {path} does not fit the model: {e}') from e
 
 
 def _classifier_classes(model: nn.Module, state_dict: Dict[str, torch.Tensor]) -> Optional[int]:
@@ -274,23 +88,6 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
     return model
 
 
-def create_teacher(
-        teacher: Union[str, nn.Module],
-        checkpoint: Optional[str] = None,
-        **kwargs: Any,
-) -> nn.Module:
-    """A teacher in eval mode (run under `torch.no_grad`): a ready module, or a timm model name (+ `kwargs`)
-    with its checkpoint."""
-    if isinstance(teacher, str):
-        model = timm.create_model(teacher, **kwargs)
-        if checkpoint:
-            _load_weights(model, _read_weights(checkpoint, 'teacher checkpoint'), checkpoint, 'teacher checkpoint')
-        else:
-            _logger.warning(f"teacher '{teacher}' has no checkpoint: distilling from random weights.")
-        teacher = model
-    return teacher.eval()
-
-
 def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[int]) -> None:
     """Check the model head against the dataset; with `num_classes` set, reset a head that does not match."""
     if num_classes is not None and num_classes != dataset_classes:
@@ -311,145 +108,6 @@ def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[in
     bind_patchnorm(model)  # the new head is a plain Linear: a patchnorm slot before it corrects it again
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The checkpoint folder `path` names: a checkpoint folder itself, or a run's output folder (its latest one)."""
-    if os.path.isfile(os.path.join(path, _STATE_FILE)):
-        return path
-    pointer = os.path.join(path, 'checkpoints', 'last.json')
-    if os.path.isfile(pointer):
-        try:
-            with open(pointer) as f:
-                name = json.load(f)['checkpoint']
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f'{pointer} is unreadable ({e}); resume from a folder under '
-                                  f'{os.path.dirname(pointer)} instead.') from e
-        return os.path.join(path, 'checkpoints', name)
-    raise CheckpointError(f'no checkpoint at {path}: give a run output folder (with checkpoints/last.json) or a '
-                          f'checkpoint folder (with {_STATE_FILE}).')
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f'{path}.tmp-{os.getpid()}'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    _atomic_write_bytes(path, text.encode())
-
-
-def _save_safetensors(state_dict: Dict[str, torch.Tensor], path: str) -> None:
-    tmp = f'{path}.tmp-{os.getpid()}'
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def _atomic_dir(path: str) -> Iterator[str]:
-    """Yield a temporary folder that is renamed to `path` (atomically) once the block completes."""
-    tmp = f'{path}.tmp-{os.getpid()}'
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
-
-
-def _rng_state() -> Dict[str, Any]:
-    """torch / numpy / python RNG states, in types `torch.load(weights_only=True)` accepts."""
-    np_state = np.random.get_state()
-    state = dict(
-        torch=torch.get_rng_state(),
-        numpy=(np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        python=random.getstate(),
-    )
-    if torch.cuda.is_available():
-        state['cuda'] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Dict[str, Any]) -> None:
-    torch.set_rng_state(state['torch'])
-    name, keys, *rest = state['numpy']
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    random.setstate(tuple(tuple(s) if isinstance(s, list) else s for s in state['python']))
-    if 'cuda' in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state['cuda'])
-
-
-def plot_history(history: Sequence[Dict[str, float]], path: str) -> None:
-    """Plot the learning curves (loss, top-1 / top-5, learning rate per epoch) to a PNG file, atomically."""
-    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
-
-    epochs = [h['epoch'] for h in history]
-    fig = Figure(figsize=(12, 3.6), layout='constrained')
-    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
-    for key, label in (('train_loss', 'train'), ('val_loss', 'val'), ('ema_val_loss', 'val (EMA)')):
-        if key in history[0]:
-            ax_loss.plot(epochs, [h[key] for h in history], marker='o', label=label)
-    for key, label in (('val_top1', 'top-1'), ('val_top5', 'top-5'), ('ema_val_top1', 'top-1 (EMA)')):
-        if key in history[0]:
-            ax_acc.plot(epochs, [h[key] for h in history], marker='o', label=label)
-    ax_lr.plot(epochs, [h['lr'] for h in history], marker='o')
-    for ax, title in ((ax_loss, 'loss'), (ax_acc, 'accuracy (%)'), (ax_lr, 'learning rate (end of epoch)')):
-        ax.set_title(title)
-        ax.set_xlabel('epoch')
-        ax.grid(alpha=0.3)
-    ax_loss.legend()
-    ax_acc.legend()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format='png', dpi=100)
-    _atomic_write_bytes(path, buffer.getvalue())
-
-
-@torch.no_grad()
-def evaluate(
-        model: nn.Module,
-        loader: Iterable[Tuple[torch.Tensor, torch.Tensor]],
-        device: Optional[torch.device] = None,
-        autocast: Callable[[], ContextManager] = nullcontext,
-        distributed: bool = False,
-        progress: bool = False,
-) -> Dict[str, float]:
-    """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode.
-
-    `device`: where the batches go (default: the model's). `distributed`: sum over all ranks (every rank must call
-    it). The model's train/eval mode is restored afterwards.
-    """
-    device = device if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples
-    start = time.perf_counter()
-    for x, target in tqdm(loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True, disable=not progress):
-        x = x.to(device, non_blocking=True)
-        target = target.to(device, non_blocking=True)
-        with autocast():
-            output = model(x)
-        output = output.float()
-        acc1, acc5 = accuracy(output, target, topk=(1, min(5, output.shape[-1])))
-        n = target.shape[0]
-        sums += torch.stack([F.cross_entropy(output, target, reduction='sum').double(),
-                             acc1.double() * n / 100, acc5.double() * n / 100,
-                             torch.tensor(n, dtype=torch.float64, device=device)])
-    if distributed:
-        dist.all_reduce(sums)
-    elapsed = time.perf_counter() - start
-    model.train(was_training)
-    loss, correct1, correct5, samples = sums.tolist()
-    if samples == 0:
-        raise ConfigError('the evaluation set is empty; check --val-split / --val-subset.')
-    return dict(loss=loss / samples, top1=100 * correct1 / samples, top5=100 * correct5 / samples,
-                img_s=samples / elapsed)
-
-
 class Trainer:
     """Runs a `TrainConfig`: builds data, model, teacher, optimiser, scheduler, EMA; trains, evaluates, checkpoints.
 
@@ -466,7 +124,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model: Optional[nn.Module] = None, teacher: Optional[nn.Module] = None):
         cfg.validate()
         self.cfg = cfg
-        self._init_device()
+        self.device, self.rank, self.world_size, self.distributed = init_distributed(cfg.device)
+        self.is_primary = self.rank == 0
         self.amp_dtype = self._resolve_amp_dtype()
         random_seed(cfg.seed)  # the same initial weights on every rank
 
@@ -529,27 +188,13 @@ class Trainer:
             self.load_checkpoint(resolve_checkpoint(cfg.resume))
 
     # ---- set-up helpers
-    def _init_device(self) -> None:
-        """Device, rank and world size; joins the process group under torchrun (once per process)."""
-        device = self.cfg.device or ('cuda' if torch.cuda.is_available() else 'cpu')
-        if dist.is_available() and dist.is_initialized():  # a second Trainer in the same process
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-            local_rank = int(os.environ.get('LOCAL_RANK', 0))
-            info = dict(device=f'cuda:{local_rank}' if device == 'cuda' else device, global_rank=rank,
-                        world_size=world_size, distributed=world_size > 1)
-        else:
-            info = init_distributed_device_so(device=device)
-        self.device = torch.device(info['device'])
-        self.rank, self.world_size, self.distributed = info['global_rank'], info['world_size'], info['distributed']
-        self.is_primary = self.rank == 0
-
     def _resolve_amp_dtype(self) -> Optional[torch.dtype]:
         if not self.cfg.amp:
             return None
         name = self.cfg.amp_dtype or ('float16' if self.device.type == 'cuda' else 'bfloat16')
         if name == 'float16' and self.device.type != 'cuda':
             raise ConfigError('float16 mixed precision needs CUDA; use --amp-dtype bfloat16 on CPU.')
-        return _AMP_DTYPES[name]
+        return AMP_DTYPES[name]
 
     def _create_teacher(self, teacher: Optional[nn.Module], in_chans: int) -> Optional[nn.Module]:
         cfg = self.cfg
@@ -704,7 +349,7 @@ class Trainer:
         self.epoch, self.update_in_epoch = epoch + 1, 0
         self.save_checkpoint(f'epoch-{epoch:04d}', is_best=is_best)
         if self.is_primary:
-            self._write_logs()
+            write_metrics(self.history, self.cfg.output)
             _logger.info(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in metrics.items()))
         return metrics
 
@@ -809,26 +454,11 @@ class Trainer:
             _atomic_write_text(os.path.join(self.checkpoint_dir, 'last.json'), pointer)
             if is_best:
                 _atomic_write_text(os.path.join(self.checkpoint_dir, 'best.json'), pointer)
-            self._prune_checkpoints()
+            prune_checkpoints(self.checkpoint_dir, self.cfg.checkpoint_hist)
         if collective:
             self._barrier()
         self.last_checkpoint = path
         return path
-
-    def _prune_checkpoints(self) -> None:
-        keep = set()
-        for pointer in ('last.json', 'best.json'):
-            try:
-                with open(os.path.join(self.checkpoint_dir, pointer)) as f:
-                    keep.add(json.load(f)['checkpoint'])
-            except FileNotFoundError:
-                pass
-        folders = sorted(d for d in os.listdir(self.checkpoint_dir)
-                         if d.startswith(('epoch-', 'interrupt-')) and '.tmp-' not in d)
-        keep.update([d for d in folders if d.startswith('epoch-')][-self.cfg.checkpoint_hist:])
-        for d in folders:
-            if d not in keep:
-                shutil.rmtree(os.path.join(self.checkpoint_dir, d), ignore_errors=True)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, EMA, optimiser, scheduler, scaler, counters, history and RNG states from a checkpoint
@@ -875,18 +505,6 @@ class Trainer:
             self._pending_rng = rank_state['rng']
             self._meter.copy_(rank_state['meter'])
         _logger.info(f'resumed from {path}: epoch {self.epoch}, update {self.update_in_epoch} of it')
-
-    def _write_logs(self) -> None:
-        """Rewrite `metrics.csv`, `metrics.json` and `metrics.png` in the output folder from the history."""
-        out = self.cfg.output
-        keys = list(dict.fromkeys(k for h in self.history for k in h))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(self.history)
-        _atomic_write_text(os.path.join(out, 'metrics.csv'), buffer.getvalue())
-        _atomic_write_text(os.path.join(out, 'metrics.json'), json.dumps(self.history, indent=2))
-        plot_history(self.history, os.path.join(out, 'metrics.png'))
 
 
 class _StopRequested(Exception):

@@ -1,25 +1,24 @@
-#!/usr/bin/env python3
 """Fashion-MNIST experiments testing the affine divergence paper's claims (see timm_affinediv.experiments).
 
-    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
-    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, seconds
-    python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
+    timm-affinediv experiments --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
+    timm-affinediv experiments --only mlp --quick --output /tmp/q  # one experiment, seconds
+    timm-affinediv experiments --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per
 experiment, and one JSON per run under runs/<experiment>/: a rerun into the same folder skips the
 runs already recorded, so an interrupted grid continues where it stopped.
 """
-import argparse
 import sys
 
 import torch
 
-from timm_affinediv.cli import ArgumentParser, existing_dir, positive_int, refuse_existing_output, run_main
+from timm_affinediv.cli import existing_dir, positive_int, refuse_existing_output, run_main
 from timm_affinediv.experiments import EXPERIMENTS, run_experiment
+from timm_affinediv.commands import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('experiments', __doc__)
     parser.add_argument('--only', choices=EXPERIMENTS, action='append',
                         help='run this experiment (repeatable; default: all of ' + ', '.join(EXPERIMENTS) + ')')
     parser.add_argument('--quick', action='store_true', help='tiny budget (seconds), for tests and smoke runs')

@@ -1,22 +1,22 @@
-#!/usr/bin/env python3
 """Fine-tuning a converted model, with and without distillation, against training the same PatchNorm model from
 scratch for the same number of steps, and the original BatchNorm model; top-1 on the Fashion-MNIST test set.
 
-    python scripts/measure_finetune.py runs/demo      # after `make demo`
+    timm-affinediv measure-finetune runs/demo      # after `make demo`
 """
 import sys
 from pathlib import Path
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.cli import ArgumentParser, existing_dir, positive_int, refuse_existing_output, run_main
+from timm_affinediv.cli import existing_dir, positive_int, refuse_existing_output, run_main
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
-from timm_affinediv.train import Trainer
-from timm_affinediv.workflow import evaluate, load_trained_model
+from timm_affinediv.train import Trainer, evaluate
+from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = command_parser('measure-finetune', __doc__)
     parser.add_argument('run', nargs='?', default='runs/demo', type=existing_dir, help='the pipeline run (runs/demo)')
     parser.add_argument('--epochs', type=positive_int, default=2, help='epochs of fine-tuning (default 2)')
     parser.add_argument('--overwrite', action='store_true', help='replace the results of an earlier measurement')

@@ -5,9 +5,8 @@ see the same machine state; a round's ratio compares the two steps timed next to
 model and mode: the median seconds of each and the median of the per-round ratios, with the middle half
 (quartiles) of those ratios, which shows how much the shared machine moved them.
 
-    python scripts/bench_layers.py [--reps 15] [--models convnext_tiny] [--modes train]
+    timm-affinediv bench [--reps 15] [--models convnext_tiny] [--modes train]
 """
-import argparse
 import statistics
 import sys
 import time
@@ -16,7 +15,8 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
-from timm_affinediv.cli import ArgumentParser, positive_int, run_main
+from timm_affinediv.commands import command_parser
+from timm_affinediv.cli import positive_int, run_main
 
 MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
 MODES = ('train', 'inference')
@@ -58,7 +58,7 @@ def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
 
 
 def main(argv=None) -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('bench', __doc__)
     parser.add_argument('--reps', type=positive_int, default=15, help='paired rounds per model and mode')
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
@@ -91,6 +91,7 @@ def main(argv=None) -> int:
                   f'{statistics.median(patch):.3f} | {ratio:.3f} | {q1:.3f} to {q3:.3f} |', flush=True)
     return 0
 
+    return 0
 
 if __name__ == '__main__':
     sys.exit(run_main(main))

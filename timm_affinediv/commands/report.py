@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """Measure the affine divergence of a timm model: the effective-update factor of every affine layer.
 
-    python scripts/divergence_report.py --model resnet18                    # BatchNorm: a spread
-    python scripts/divergence_report.py --model resnet18 --norm patchnorm   # one factor per layer
-    python scripts/divergence_report.py --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1
-    python scripts/divergence_report.py --model resnet50.a1_in1k --pretrained --data PATH   # ImageNet model, own images
-    python scripts/divergence_report.py --model local-dir:runs/demo/model --data random --img-size 64
+    timm-affinediv report --model resnet18                    # BatchNorm: a spread
+    timm-affinediv report --model resnet18 --norm patchnorm   # one factor per layer
+    timm-affinediv report --model resnet18 --checkpoint model.safetensors --num-classes 10 --in-chans 1
+    timm-affinediv report --model resnet50.a1_in1k --pretrained --data PATH   # ImageNet model, own images
+    timm-affinediv report --model local-dir:runs/demo/model --data random --img-size 64
 
 For each nn.Linear/nn.Conv2d, one SGD step per sampled (image, output position) on a batch of
 Fashion-MNIST (1 channel, 32x32 unless --img-size), an image folder (read with the model's own eval
@@ -14,7 +13,6 @@ and the largest deviation from the closed form) and writes a PNG per layer plus 
 report.md/report.json under --output. Weights given (--checkpoint, --pretrained, local-dir:, hf-hub:) that
 cannot be loaded are an error; without any, the model is measured at its random initialisation (say so).
 """
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,13 +22,14 @@ import torch
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm', 'l2norm', 'l2norm2d'
+from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import (
-    ArgumentParser, data_source, existing_dir, existing_file, model_name, norm_name, positive_int,
+    data_source, existing_dir, existing_file, model_name, norm_name, positive_int,
     refuse_existing_output, run_main)
 from timm_affinediv.convert import ConversionError, model_in_chans
 from timm_affinediv.data import DataError, create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
-from timm_affinediv.workflow import load_trained_model
+from timm_affinediv.model_io import load_trained_model
 
 
 REPORT_FILES = ('report.md', 'report.json', 'layers')
@@ -55,7 +54,7 @@ def load_batch(data: str, model: torch.nn.Module, batch_size: int, seed: int, im
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('report', __doc__)
     parser.add_argument('--model', required=True, type=model_name, help='timm model name, hf-hub:org/name or local-dir:PATH')
     parser.add_argument('--norm', type=norm_name, help="norm_layer for timm.create_model, e.g. batchnorm, patchnorm (default: the model's)")
     parser.add_argument('--checkpoint', type=existing_file, help='weights to load (.safetensors or timm checkpoint); default: random init')

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
 """The main job: a trained BatchNorm model -> PatchNorm -> fine-tuned with distillation -> Hub-ready folder.
 
-    python scripts/pipeline.py                      # built-in default: narrow resnet18 on Fashion-MNIST, trained here
-    python scripts/pipeline.py --model resnet18 --checkpoint baseline.safetensors --model-kwargs ...
+    timm-affinediv pipeline                      # built-in default: narrow resnet18 on Fashion-MNIST, trained here
+    timm-affinediv pipeline --model resnet18 --checkpoint baseline.safetensors --model-kwargs ...
 
 Writes <output>/baseline (when trained here), <output>/converted, <output>/model (the fine-tuned, publishable
-folder: push it with scripts/push_to_hub.py) and the runs' logs and checkpoints.
+folder: push it with timm-affinediv push) and the runs' logs and checkpoints.
 """
 import json
 import logging
@@ -14,8 +13,9 @@ import sys
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
+from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import (
-    ArgumentParser, existing_file, non_negative_int, positive_float, positive_int, run_main, timm_model_name,
+    existing_file, non_negative_int, positive_float, positive_int, run_main, timm_model_name,
     unit_interval)
 from timm_affinediv.convert import CONVERSION_NORMS
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
@@ -23,7 +23,7 @@ from timm_affinediv.pipeline import PipelineConfig, run_pipeline
 
 def main(argv=None) -> int:
     defaults = PipelineConfig()
-    parser = ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser = command_parser('pipeline', __doc__)
     parser.add_argument('--output', default=defaults.output)
     parser.add_argument('--model', default=defaults.model, type=timm_model_name)
     parser.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, metavar='KEY=VALUE',
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         args['model_kwargs'] = defaults.model_kwargs if args['model'] == defaults.model else {}
     summary = run_pipeline(PipelineConfig(**args))
     print(json.dumps(summary, indent=2))
-    print(f"publish-ready folder: {args['output']}/model  (scripts/push_to_hub.py {args['output']}/model --repo-id ORG/NAME)")
+    print(f"publish-ready folder: {args['output']}/model  (timm-affinediv push {args['output']}/model --repo-id ORG/NAME)")
     return 0
 
 

@@ -1,20 +1,19 @@
-#!/usr/bin/env python3
 """Upload a timm-affinediv Hub folder (written by save_hub_folder) to the Hugging Face Hub.
 
-    python scripts/push_to_hub.py runs/resnet18-patchnorm --repo-id my-org/resnet18-patchnorm --dry-run
+    timm-affinediv push runs/resnet18-patchnorm --repo-id my-org/resnet18-patchnorm --dry-run
 
 The token comes from --token, else HF_TOKEN or the saved login (`hf auth login`); it is never
 printed. HF_ENDPOINT selects another Hub endpoint.
 """
-import argparse
 import sys
 
-from timm_affinediv.cli import ArgumentParser, existing_dir, run_main
+from timm_affinediv.commands import command_parser
+from timm_affinediv.cli import existing_dir, run_main
 from timm_affinediv.hub import push_to_hub
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = command_parser('push', __doc__)
     parser.add_argument('folder', type=existing_dir, help='Hub folder: model.safetensors, config.json, README.md')
     parser.add_argument('--repo-id', required=True, help="target repo, 'org/name'")
     parser.add_argument('--private', action='store_true', help='create the repo private')

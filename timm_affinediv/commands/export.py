@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Export a trained timm model (patchnorm, affinediv or plain) to ONNX, validated against eager with ONNX Runtime.
 
-    python scripts/export_onnx.py --model local-dir:runs/converted --output runs/model.onnx
-    python scripts/export_onnx.py --model resnet18 --norm-layer patchnorm --checkpoint model.safetensors \\
+    timm-affinediv export --model local-dir:runs/converted --output runs/model.onnx
+    timm-affinediv export --model resnet18 --norm-layer patchnorm --checkpoint model.safetensors \\
         --num-classes 10 --in-chans 1 --img-size 28 --output runs/model.onnx [--no-dynamo] [--opset 17]
 
 The .onnx file has a dynamic batch axis and is written only once ONNX Runtime reproduces the eager model's
@@ -17,27 +16,28 @@ from timm.data import resolve_model_data_config
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
-from timm_affinediv.convert import ConversionError
 from timm_affinediv.export import DEFAULT_OPSET, ExportError, export_onnx
-from timm_affinediv.workflow import load_trained_model
+from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.cli import model_name, norm_name, positive_float, positive_int, run_main
+from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--model', required=True, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
+    parser = command_parser('export', __doc__)
+    parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
     parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
-    parser.add_argument('--norm-layer', help="norm_layer of the checkpoint's model (e.g. patchnorm, affinediv)")
-    parser.add_argument('--num-classes', type=int, help='classes of the checkpoint (timm model name only)')
-    parser.add_argument('--in-chans', type=int, help='input channels of the checkpoint (timm model name only)')
+    parser.add_argument('--norm-layer', type=norm_name, help="norm_layer of the checkpoint's model (e.g. patchnorm, affinediv)")
+    parser.add_argument('--num-classes', type=positive_int, help='classes of the checkpoint (timm model name only)')
+    parser.add_argument('--in-chans', type=positive_int, help='input channels of the checkpoint (timm model name only)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
                         help='more timm.create_model arguments')
-    parser.add_argument('--img-size', type=int, help="input height and width (default: the model's)")
+    parser.add_argument('--img-size', type=positive_int, help="input height and width (default: the model's)")
     parser.add_argument('--output', required=True, help='the .onnx file to write')
-    parser.add_argument('--opset', type=int, default=DEFAULT_OPSET, help='ONNX opset (17 or newer)')
+    parser.add_argument('--opset', type=positive_int, default=DEFAULT_OPSET, help='ONNX opset (17 or newer)')
     parser.add_argument('--dynamo', action=argparse.BooleanOptionalAction, default=True,
                         help="PyTorch's torch.export-based exporter (default), or --no-dynamo: the TorchScript-based one")
-    parser.add_argument('--batch-size', type=int, default=4, help='validation batch (a second one is one larger)')
-    parser.add_argument('--tolerance', type=float, default=1e-5, help='largest relative error accepted')
+    parser.add_argument('--batch-size', type=positive_int, default=4, help='validation batch (a second one is one larger)')
+    parser.add_argument('--tolerance', type=positive_float, default=1e-5, help='largest relative error accepted')
     args = parser.parse_args(argv)
     if args.opset < 17:
         parser.error(f'--opset {args.opset}: the layers need opset 17 or newer')
@@ -46,11 +46,7 @@ def main(argv=None) -> int:
     for key in ('norm_layer', 'num_classes', 'in_chans'):
         if getattr(args, key) is not None:
             create_kwargs[key] = getattr(args, key)
-    try:
-        model = load_trained_model(args.model, args.checkpoint, **create_kwargs)
-    except ConversionError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
+    model = load_trained_model(args.model, args.checkpoint, **create_kwargs)
     input_size = resolve_model_data_config(model)['input_size']
     if args.img_size:
         input_size = (input_size[0], args.img_size, args.img_size)
@@ -67,4 +63,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -1,0 +1,1 @@
+"""Model-card templates: package data, installed as `timm_affinediv.model_cards` (see pyproject.toml)."""

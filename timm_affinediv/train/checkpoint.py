@@ -1,0 +1,145 @@
+""" Checkpoint I/O: weights files, atomic writes, RNG states, and the checkpoint folders of a run
+
+A run's checkpoints are folders `checkpoints/<name>/` (`model.safetensors`, `ema.safetensors`, `train_state.pt`)
+written atomically (a temporary folder renamed into place), with `checkpoints/last.json` / `best.json` naming the
+latest and the best.
+"""
+import json
+import os
+import random
+import shutil
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator
+
+import numpy as np
+import timm
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from .config import CheckpointError, ConfigError
+
+__all__ = ['resolve_checkpoint', 'prune_checkpoints']
+
+CHECKPOINT_FORMAT = 1
+_STATE_FILE = 'train_state.pt'
+_MODEL_FILE = 'model.safetensors'
+_EMA_FILE = 'ema.safetensors'
+
+
+def _weights_file(path: str) -> str:
+    """A weights file, or the `model.safetensors` of a (Hub-format) folder."""
+    if os.path.isdir(path):
+        path = os.path.join(path, _MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f'checkpoint {path} not found; give a .safetensors / .pth file or a folder holding '
+                          f'{_MODEL_FILE}.')
+    return path
+
+
+def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
+    """A state dict from a weights file or Hub-format folder (timm's `load_state_dict`: safetensors / .pth, EMA
+    weights preferred), with an error that says what is wrong."""
+    path = _weights_file(path)
+    try:
+        return timm.models.load_state_dict(path)
+    except Exception as e:  # truncated or not a checkpoint at all: many exception types
+        raise ConfigError(f'{what} {path} is unreadable ({type(e).__name__}: {e}).') from e
+
+
+def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:  # missing / unexpected keys, shape mismatches
+        raise ConfigError(f'{what} {path} does not fit the model: {e}') from e
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The checkpoint folder `path` names: a checkpoint folder itself, or a run's output folder (its latest one)."""
+    if os.path.isfile(os.path.join(path, _STATE_FILE)):
+        return path
+    pointer = os.path.join(path, 'checkpoints', 'last.json')
+    if os.path.isfile(pointer):
+        try:
+            with open(pointer) as f:
+                name = json.load(f)['checkpoint']
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f'{pointer} is unreadable ({e}); resume from a folder under '
+                                  f'{os.path.dirname(pointer)} instead.') from e
+        return os.path.join(path, 'checkpoints', name)
+    raise CheckpointError(f'no checkpoint at {path}: give a run output folder (with checkpoints/last.json) or a '
+                          f'checkpoint folder (with {_STATE_FILE}).')
+
+
+def _atomic_write_bytes(path: str, data: bytes) -> None:
+    tmp = f'{path}.tmp-{os.getpid()}'
+    with open(tmp, 'wb') as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    _atomic_write_bytes(path, text.encode())
+
+
+def _save_safetensors(state_dict: Dict[str, torch.Tensor], path: str) -> None:
+    tmp = f'{path}.tmp-{os.getpid()}'
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _atomic_dir(path: str) -> Iterator[str]:
+    """Yield a temporary folder that is renamed to `path` (atomically) once the block completes."""
+    tmp = f'{path}.tmp-{os.getpid()}'
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def _rng_state() -> Dict[str, Any]:
+    """torch / numpy / python RNG states, in types `torch.load(weights_only=True)` accepts."""
+    np_state = np.random.get_state()
+    state = dict(
+        torch=torch.get_rng_state(),
+        numpy=(np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        python=random.getstate(),
+    )
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state['torch'])
+    name, keys, *rest = state['numpy']
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(tuple(tuple(s) if isinstance(s, list) else s for s in state['python']))
+    if 'cuda' in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+def prune_checkpoints(checkpoint_dir: str, keep_last: int) -> None:
+    """Delete the checkpoint folders of `checkpoint_dir` but the last `keep_last` epochs' and those `last.json` /
+    `best.json` name."""
+    keep = set()
+    for pointer in ('last.json', 'best.json'):
+        try:
+            with open(os.path.join(checkpoint_dir, pointer)) as f:
+                keep.add(json.load(f)['checkpoint'])
+        except FileNotFoundError:
+            pass
+    folders = sorted(d for d in os.listdir(checkpoint_dir)
+                     if d.startswith(('epoch-', 'interrupt-')) and '.tmp-' not in d)
+    keep.update([d for d in folders if d.startswith('epoch-')][-keep_last:])
+    for d in folders:
+        if d not in keep:
+            shutil.rmtree(os.path.join(checkpoint_dir, d), ignore_errors=True)

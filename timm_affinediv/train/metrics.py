@@ -1,0 +1,98 @@
+""" Metrics of a run: evaluation (loss, top-1, top-5, images/s) and the per-epoch logs (CSV, JSON, PNG) """
+import csv
+import io
+import json
+import os
+import time
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.utils import accuracy
+from tqdm import tqdm
+
+from .checkpoint import _atomic_write_bytes, _atomic_write_text
+from .config import ConfigError
+
+__all__ = ['evaluate', 'plot_history', 'write_metrics']
+
+
+def plot_history(history: Sequence[Dict[str, float]], path: str) -> None:
+    """Plot the learning curves (loss, top-1 / top-5, learning rate per epoch) to a PNG file, atomically."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+
+    epochs = [h['epoch'] for h in history]
+    fig = Figure(figsize=(12, 3.6), layout='constrained')
+    ax_loss, ax_acc, ax_lr = fig.subplots(1, 3)
+    for key, label in (('train_loss', 'train'), ('val_loss', 'val'), ('ema_val_loss', 'val (EMA)')):
+        if key in history[0]:
+            ax_loss.plot(epochs, [h[key] for h in history], marker='o', label=label)
+    for key, label in (('val_top1', 'top-1'), ('val_top5', 'top-5'), ('ema_val_top1', 'top-1 (EMA)')):
+        if key in history[0]:
+            ax_acc.plot(epochs, [h[key] for h in history], marker='o', label=label)
+    ax_lr.plot(epochs, [h['lr'] for h in history], marker='o')
+    for ax, title in ((ax_loss, 'loss'), (ax_acc, 'accuracy (%)'), (ax_lr, 'learning rate (end of epoch)')):
+        ax.set_title(title)
+        ax.set_xlabel('epoch')
+        ax.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_acc.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format='png', dpi=100)
+    _atomic_write_bytes(path, buffer.getvalue())
+
+
+@torch.no_grad()
+def evaluate(
+        model: nn.Module,
+        loader: Iterable[Tuple[torch.Tensor, torch.Tensor]],
+        device: Optional[torch.device] = None,
+        autocast: Callable[[], ContextManager] = nullcontext,
+        distributed: bool = False,
+        progress: bool = False,
+) -> Dict[str, float]:
+    """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode.
+
+    `device`: where the batches go (default: the model's). `distributed`: sum over all ranks (every rank must call
+    it). The model's train/eval mode is restored afterwards.
+    """
+    device = device if device is not None else next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples
+    start = time.perf_counter()
+    for x, target in tqdm(loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True, disable=not progress):
+        x = x.to(device, non_blocking=True)
+        target = target.to(device, non_blocking=True)
+        with autocast():
+            output = model(x)
+        output = output.float()
+        acc1, acc5 = accuracy(output, target, topk=(1, min(5, output.shape[-1])))
+        n = target.shape[0]
+        sums += torch.stack([F.cross_entropy(output, target, reduction='sum').double(),
+                             acc1.double() * n / 100, acc5.double() * n / 100,
+                             torch.tensor(n, dtype=torch.float64, device=device)])
+    if distributed:
+        dist.all_reduce(sums)
+    elapsed = time.perf_counter() - start
+    model.train(was_training)
+    loss, correct1, correct5, samples = sums.tolist()
+    if samples == 0:
+        raise ConfigError('the evaluation set is empty; check --val-split / --val-subset.')
+    return dict(loss=loss / samples, top1=100 * correct1 / samples, top5=100 * correct5 / samples,
+                img_s=samples / elapsed)
+
+
+def write_metrics(history: List[Dict[str, float]], out: str) -> None:
+    """Rewrite `metrics.csv`, `metrics.json` and `metrics.png` in the folder `out` from the history."""
+    keys = list(dict.fromkeys(k for h in history for k in h))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=keys)
+    writer.writeheader()
+    writer.writerows(history)
+    _atomic_write_text(os.path.join(out, 'metrics.csv'), buffer.getvalue())
+    _atomic_write_text(os.path.join(out, 'metrics.json'), json.dumps(history, indent=2))
+    plot_history(history, os.path.join(out, 'metrics.png'))
