@@ -2,6 +2,7 @@
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import pkgutil
 import re
 import sys
@@ -45,7 +46,10 @@ def test_every_module_imports_and_its_third_party_imports_are_declared():
     distributions = importlib.metadata.packages_distributions()
     undeclared = {}
     for module in pkgutil.walk_packages(timm_affinediv.__path__, 'timm_affinediv.'):
-        path = Path(importlib.import_module(module.name).__file__)  # every module imports with the core alone
+        if module.name.endswith('.__main__'):  # runs the command line when imported: read, not run
+            path = Path(importlib.util.find_spec(module.name).origin)
+        else:
+            path = Path(importlib.import_module(module.name).__file__)  # every module imports
         at_load, in_functions = _imported_top_levels(path)
         for names, declared in ((at_load, core), (in_functions, core | extras)):
             for name in names:

@@ -115,19 +115,27 @@ def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path
     assert all(l['spread'] == pytest.approx(1, abs=1e-9) for l in layers if l['corrected'])
 
 
+def _report_status(argv: list) -> int:
+    """The exit status of `timm-affinediv report ARGV...`, argument errors included."""
+    from timm_affinediv.commands import main
+    try:
+        return main(['report', *argv])
+    except SystemExit as e:  # argparse's checks of the arguments
+        return e.code
+
+
 def test_divergence_report_script_measures_given_weights_or_refuses(tmp_path, capsys):
-    script = _script('divergence_report')
     model = timm.create_model('resnet10t', num_classes=5)
     torch.save(model.state_dict(), tmp_path / 'weights.pth')
     argv = ['--model', 'resnet10t', '--num-classes', '5', '--data', 'random', '--img-size', '40', '--batch-size', '2',
             '--samples', '1', '--positions', '1', '--output', str(tmp_path / 'out')]
-    assert script.main(argv + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 0
+    assert _report_status(argv + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 0
     record = json.loads((tmp_path / 'out' / 'report.json').read_text())
     assert record['weights'] == 'trained weights' and record['input_shape'] == [3, 40, 40]
     # weights that do not fit, or are not there: an error, never a random model measured instead
-    assert script.main(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 2
-    assert script.main(argv + ['--checkpoint', str(tmp_path / 'absent.pth')]) == 2
-    assert script.main(['--model', f'local-dir:{tmp_path / "absent"}', '--data', 'random']) == 2
+    assert _report_status(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 2
+    assert _report_status(argv + ['--checkpoint', str(tmp_path / 'absent.pth')]) == 2
+    assert _report_status(['--model', f'local-dir:{tmp_path / "absent"}', '--data', 'random']) == 2
     assert capsys.readouterr().err.count('error:') == 3
 
 

@@ -117,7 +117,10 @@ def test_export_that_changes_numbers_is_refused(tmp_path):
 
 
 def test_export_script(tmp_path, capsys):
-    from timm_affinediv.commands.export import main
+    from timm_affinediv.commands import main as command
+
+    def main(argv):
+        return command(['export', *argv])
     model = _model('resnet18-patchnorm')
     checkpoint = tmp_path / 'model.safetensors'
     save_file(model.state_dict(), str(checkpoint))

@@ -50,6 +50,7 @@ from timm.layers import get_notrace_functions, get_notrace_modules
 from timm.models._input import get_model_args
 
 from .layers.affine_div import AffineDivLinear, PatchNormConv2d
+from .layers.binding import SlotLayoutError
 from .layers.slot import PatchNormSlot
 
 __all__ = ['convert_model', 'ConversionError', 'ConversionReport', 'LayerFit', 'CONVERSION_NORMS']
@@ -130,7 +131,10 @@ def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -
     kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=model_in_chans(model))
     kwargs.update({k: v for k, v in get_model_args(model).items() if k != 'norm_layer'})
     kwargs.update(model_kwargs)
-    return timm.create_model(_architecture(model), norm_layer=norm, **kwargs)
+    try:
+        return timm.create_model(_architecture(model), norm_layer=norm, **kwargs)
+    except SlotLayoutError as e:
+        raise ConversionError(f'cannot convert {_architecture(model)}: {e}') from e
 
 
 def _check_norms(model: nn.Module, converted: nn.Module) -> Dict[str, nn.Module]:
