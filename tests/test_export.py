@@ -130,5 +130,9 @@ def test_export_script(tmp_path, capsys):
     assert main(args + ['--output', str(output), '--no-dynamo']) == 0
     assert 'worst relative error' in capsys.readouterr().out
     assert validate_onnx(model, output, _batches(2)) <= TOLERANCE
-    assert main(args[:2] + ['--checkpoint', str(tmp_path / 'missing.pth'), '--output', str(output)]) == 2
+    exported = output.read_bytes()
+    assert main(args + ['--output', str(output), '--no-dynamo']) == 2  # an earlier export is kept
+    assert 'holds earlier results' in capsys.readouterr().err and output.read_bytes() == exported
+    assert main(args[:2] + ['--checkpoint', str(tmp_path / 'missing.pth'), '--output', str(output),
+                            '--overwrite']) == 2
     assert 'not found' in capsys.readouterr().err

@@ -18,7 +18,7 @@ from timm.utils import ParseKwargs
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.export import DEFAULT_OPSET, ExportError, export_onnx
 from timm_affinediv.model_io import load_trained_model
-from timm_affinediv.cli import model_name, norm_name, positive_float, positive_int, run_main
+from timm_affinediv.cli import model_name, norm_name, positive_float, positive_int, refuse_existing_output, run_main
 from timm_affinediv.commands import command_parser
 
 
@@ -33,12 +33,15 @@ def main(argv=None) -> int:
                         help='more timm.create_model arguments')
     parser.add_argument('--img-size', type=positive_int, help="input height and width (default: the model's)")
     parser.add_argument('--output', required=True, help='the .onnx file to write')
+    parser.add_argument('--overwrite', action='store_true', help='replace an existing --output file')
     parser.add_argument('--opset', type=positive_int, default=DEFAULT_OPSET, help='ONNX opset (17 or newer)')
     parser.add_argument('--dynamo', action=argparse.BooleanOptionalAction, default=True,
                         help="PyTorch's torch.export-based exporter (default), or --no-dynamo: the TorchScript-based one")
     parser.add_argument('--batch-size', type=positive_int, default=4, help='validation batch (a second one is one larger)')
     parser.add_argument('--tolerance', type=positive_float, default=1e-5, help='largest relative error accepted')
     args = parser.parse_args(argv)
+    if not args.overwrite:
+        refuse_existing_output(args.output)
     if args.opset < 17:
         parser.error(f'--opset {args.opset}: the layers need opset 17 or newer')
 
