@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots
+from timm_affinediv.commands import main as command
 from timm_affinediv.commands.convert import main as convert_command
 from timm_affinediv.convert import ConversionError, convert_model
 from timm_affinediv.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, FashionMNIST
@@ -262,6 +263,6 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
 
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
     overlay = dict(file=str(tmp_path / 'absent.pth'))
-    status = convert_command(['--model', 'resnet18', '--pretrained', '--model-kwargs',
-                                      f'pretrained_cfg_overlay={overlay!r}', '--output', str(tmp_path / 'out')])
+    status = command(['convert', '--model', 'resnet18', '--pretrained', '--model-kwargs',
+                      f'pretrained_cfg_overlay={overlay!r}', '--output', str(tmp_path / 'out')])
     assert status == 2 and 'cannot' in capsys.readouterr().err and not (tmp_path / 'out').exists()

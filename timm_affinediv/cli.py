@@ -1,9 +1,8 @@
 """ The command lines' shared argument checks and error handling
 
-Every command (`timm_affinediv.commands`) parses its flags with `ArgumentParser` and these `argparse` types, so bad input stops
-before any work with one line (`finetune.py: error: argument --train-subset: -1 is not a positive integer`) and exit
-status 2,
-and runs its `main` through `run_main`, which turns the package's user-facing errors (a checkpoint that does not
+Every command (`timm_affinediv.commands`) parses its flags with `ArgumentParser` and these `argparse` types, so bad
+input stops before any work with one line (`timm-affinediv finetune: error: argument --train-subset: -1 is not a
+positive integer`) and exit status 2, and runs its `main` through `run_main`, which turns the package's user-facing errors (a checkpoint that does not
 fit, a folder that is not a Hub folder, data that is missing, ...) into one line on stderr and exit status 2
 instead of a traceback. `refuse_existing_output` is the one check that a command would overwrite earlier results.
 """
@@ -30,7 +29,6 @@ __all__ = [
 #: Errors that report bad input (arguments, files, data), not a bug: one line and exit status 2, no traceback.
 USER_ERRORS = (
     ConversionError, DataError, HubError, TrainingError, SlotLayoutError, FileExistsError, FileNotFoundError)
-WEIGHTS_PREFIXES = ('hf-hub:', 'local-dir:')
 
 
 class ArgumentParser(argparse.ArgumentParser):

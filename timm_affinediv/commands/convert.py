@@ -16,18 +16,15 @@ import logging
 import sys
 from pathlib import Path
 
+from timm.utils import ParseKwargs
+
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.cli import (
     data_source, existing_dir, existing_file, model_name, non_negative_int, positive_float, positive_int,
-    refuse_existing_output,
-    run_main)
-from timm_affinediv.convert import CONVERSION_NORMS, ConversionError
-from timm_affinediv.data import DataError
-from timm_affinediv.hub import HubError
-from timm.utils import ParseKwargs
-
-from timm_affinediv.model_io import convert_to_folder, load_trained_model
+    refuse_existing_output, run_main)
 from timm_affinediv.commands import command_parser
+from timm_affinediv.convert import CONVERSION_NORMS
+from timm_affinediv.model_io import convert_to_folder, load_trained_model
 
 
 def main(argv=None) -> int:
@@ -63,24 +60,20 @@ def main(argv=None) -> int:
     dataset, data_dir = args.calib_data, args.data_dir
     if dataset != 'fashion-mnist':
         dataset, data_dir = '', args.calib_data
-    try:
-        model_kwargs = args.model_kwargs
-        create_kwargs = dict(model_kwargs)
-        if args.num_classes:
-            create_kwargs['num_classes'] = args.num_classes
-        if args.in_chans:
-            create_kwargs['in_chans'] = args.in_chans
-        model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **create_kwargs)
-        converted, report, metrics = convert_to_folder(
-            model, args.output, norm=args.norm, dataset=dataset, data_dir=data_dir,
-            calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
-            eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
-            base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
-                model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
-            overwrite=args.overwrite, **model_kwargs)
-    except (ConversionError, DataError, FileExistsError, HubError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
+    model_kwargs = args.model_kwargs
+    create_kwargs = dict(model_kwargs)
+    if args.num_classes:
+        create_kwargs['num_classes'] = args.num_classes
+    if args.in_chans:
+        create_kwargs['in_chans'] = args.in_chans
+    model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **create_kwargs)
+    converted, report, metrics = convert_to_folder(
+        model, args.output, norm=args.norm, dataset=dataset, data_dir=data_dir,
+        calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
+        eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
+        base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
+            model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
+        overwrite=args.overwrite, **model_kwargs)
     print(report.format_table())
     if 'converted' in metrics:
         print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")

@@ -26,7 +26,7 @@ from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import (
     data_source, existing_dir, existing_file, model_name, norm_name, positive_int,
     refuse_existing_output, run_main)
-from timm_affinediv.convert import ConversionError, model_in_chans
+from timm_affinediv.convert import model_in_chans
 from timm_affinediv.data import DataError, create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
 from timm_affinediv.model_io import load_trained_model
@@ -90,18 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         kwargs['in_chans'] = args.in_chans or 1
     if args.num_classes or (fmnist and not weights):
         kwargs['num_classes'] = args.num_classes or 10
-    try:
-        if weights:
-            model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **kwargs)
-        elif timm.is_model(args.model):
-            model = timm.create_model(args.model, **kwargs)
-        else:
-            raise ConversionError(f"unknown model '{args.model}': give a timm model name, hf-hub:org/name or "
-                                  'local-dir:PATH')
-        batch = load_batch(args.data, model, args.batch_size, args.seed, args.img_size, args.data_root)
-    except (ConversionError, DataError) as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
+    # --model's check leaves a timm name whenever no weights are given
+    model = (load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **kwargs) if weights
+             else timm.create_model(args.model, **kwargs))
+    batch = load_batch(args.data, model, args.batch_size, args.seed, args.img_size, args.data_root)
     # an untrained model's running statistics are the initial ones: use the batch's instead
     report = divergence_report(model, batch, samples=args.samples, positions_per_sample=args.positions,
                                seed=args.seed, batch_stats=not weights)
