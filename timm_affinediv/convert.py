@@ -35,6 +35,7 @@ LayerNorm the slot takes `gamma` and `beta` as they are.
 """
 import functools
 import logging
+import math
 import os
 import tempfile
 import time
@@ -86,6 +87,7 @@ class ConversionReport:
     calibration_images: int
     seconds: float
     top1_agreement_analytic: Optional[float] = None
+    analytic_images: int = 0
     top1_agreement_calibrated: Optional[float] = None
     layers: List[LayerFit] = field(default_factory=list)
 
@@ -100,7 +102,8 @@ class ConversionReport:
                   f'{f.rel_err_after:.4f} | {f.cos_after:.4f} |' for f in self.layers]
         lines.append('')
         if self.top1_agreement_analytic is not None:
-            lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}%'
+            lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}% '
+                         f'(first {self.analytic_images} images)'
                          + ('' if self.top1_agreement_calibrated is None else
                             f', calibrated {100 * self.top1_agreement_calibrated:.2f}%'))
         lines.append(f'{self.architecture} -> {self.norm}, {self.calibration_batches} calibration batches '
@@ -378,41 +381,108 @@ def _as_channels(out: torch.Tensor, channels: int, conv: bool) -> torch.Tensor:
 
 
 class _NormalEquations:
-    """Running sums `U^T U`, `U^T Z`, `Z^T Z` per group, over sampled positions."""
+    """ Running sums `U^T U`, `U^T Z`, `Z^T Z` per group, over sampled positions.
 
-    def __init__(self):
-        self.gram = self.cross = self.target_sq = None
+    `U^T U` and `U^T Z` are accumulated in the features' own dtype (float32: the GEMMs at about four times
+    float64's speed, exact to about 1e-6 of their terms, far inside the ridge) and taken to float64 for the
+    solve. Rows are pooled over batches up to `pool_rows` before each product (a batch may give a wide layer
+    only a few positions, and each product reads and writes all of `U^T U`), and of a wide symmetric `U^T U`
+    only the blocks on and above the diagonal are computed.
+    """
+
+    def __init__(self, pool_rows: int = 4096, block: int = 1024):
+        self.pool_rows, self.block = pool_rows, block
+        self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_rows = 0
+        self._gram = self._cross = self.target_sq = None
         self.count = 0
 
     def add(self, u: torch.Tensor, z: torch.Tensor) -> None:
-        u, z = u.double(), z.double()
-        gram, cross = u.transpose(1, 2) @ u, u.transpose(1, 2) @ z
-        sq = z.square().sum((1, 2))
-        if self.gram is None:
-            self.gram, self.cross, self.target_sq = gram, cross, sq
-        else:
-            self.gram += gram
-            self.cross += cross
-            self.target_sq += sq
+        self._pending.append((u, z.to(u.dtype)))
+        self._pending_rows += u.shape[1]
+        sq = z.double().square().sum((1, 2))
+        self.target_sq = sq if self.target_sq is None else self.target_sq + sq
         self.count += u.shape[1]
+        if self._pending_rows >= self.pool_rows:
+            self._flush()
 
-    def fidelity(self, v: torch.Tensor) -> Tuple[float, float]:
-        """Relative error and cosine similarity of `U v` against `Z`, from the sums alone."""
-        fit_sq = torch.einsum('gko,gkl,glo->', v, self.gram, v)
-        inner = torch.einsum('gko,gko->', v, self.cross)
+    def _blocks(self, k: int) -> List[slice]:
+        edges = list(range(0, k, self.block)) + [k]
+        return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        u = torch.cat([u for u, _ in self._pending], 1)
+        z = torch.cat([z for _, z in self._pending], 1)
+        self._pending, self._pending_rows = [], 0
+        groups, _, k = u.shape
+        if self._gram is None:
+            self._gram = u.new_zeros(groups, k, k)
+            self._cross = u.new_zeros(groups, k, z.shape[-1])
+        ut = u.transpose(1, 2)
+        self._cross.baddbmm_(ut, z)
+        blocks = self._blocks(k)
+        for i, rows in enumerate(blocks):
+            for columns in blocks[i:]:
+                self._gram[:, rows, columns].baddbmm_(ut[:, rows], u[:, :, columns])
+
+    def _finish(self) -> torch.Tensor:
+        """`U^T U` in the accumulation dtype, complete: the blocks below the diagonal mirrored from above."""
+        self._flush()
+        if not getattr(self, '_finished', False):
+            blocks = self._blocks(self._gram.shape[-1])
+            for i, rows in enumerate(blocks):
+                for columns in blocks[i + 1:]:
+                    self._gram[:, columns, rows] = self._gram[:, rows, columns].transpose(1, 2)
+            self._finished = True
+        return self._gram
+
+    @functools.cached_property
+    def gram(self) -> torch.Tensor:
+        return self._finish().double()
+
+    @functools.cached_property
+    def cross(self) -> torch.Tensor:
+        self._flush()
+        return self._cross.double()
+
+    def fidelity(self, v: torch.Tensor, gram_v: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+        """ Relative error and cosine similarity of `U v` against `Z`, from the sums alone.
+
+        `gram_v` is `U^T U v` where the caller has it (the solve does); else it is computed in the
+        accumulation dtype (a starting point's error needs no more).
+        """
+        gram = self._finish()
+        if gram_v is None:
+            gram_v = (gram @ v.to(gram.dtype)).double()
+        fit_sq = (v * gram_v).sum()
+        inner = (v * self.cross).sum()
         target_sq = self.target_sq.sum().clamp_min(1e-30)  # a zero target: a zero-initialised gain
         err_sq = (fit_sq - 2 * inner + target_sq).clamp_min(0)
         return (err_sq / target_sq).sqrt().item(), (inner / (fit_sq * target_sq).sqrt().clamp_min(1e-30)).item()
 
-    def solve(self, v0: torch.Tensor, ridge: float, free_last: bool) -> torch.Tensor:
-        """argmin |U v - Z|^2 + lambda |v - v0|^2, lambda = ridge * mean diag(U^T U); the last row free if asked."""
+    def solve(self, v0: torch.Tensor, ridge: float, free_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """ `v = argmin |U v - Z|^2 + lambda |v - v0|^2`, `lambda = ridge * mean diag(U^T U)`, the last row free if
+        asked; returns `(v, U^T U v)`.
+
+        The system is symmetric positive definite (the ridge, and a free row's constant feature): Cholesky, at
+        half LU's cost. `U^T U v` comes from the normal equations themselves, `U^T Z + lambda (v0 - v)`.
+        """
         k = self.gram.shape[-1]
         penalty = torch.ones(k, dtype=self.gram.dtype, device=self.gram.device)
         if free_last:
             penalty[-1] = 0
         lam = ridge * self.gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)           # per group
-        reg = lam.view(-1, 1, 1) * torch.diag(penalty)
-        return torch.linalg.solve(self.gram + reg, self.cross + reg @ v0)
+        reg = lam.view(-1, 1) * penalty                                                      # (groups, K) diagonals
+        system = self.gram + torch.diag_embed(reg)
+        rhs = self.cross + reg.unsqueeze(-1) * v0
+        factor, info = torch.linalg.cholesky_ex(system)
+        if info.any():  # not positive definite (no samples reached a free row): LU solves it where it is solvable
+            v = torch.linalg.solve(system, rhs)
+        else:
+            v = torch.cholesky_solve(rhs, factor)
+        return v, self.cross + reg.unsqueeze(-1) * (v0 - v)
 
 
 def _layer_params(layer: nn.Module, slot: Optional[PatchNormSlot]) -> torch.Tensor:
@@ -458,8 +528,9 @@ def _check_batch(images, in_chans: int) -> None:
 
 
 def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
-    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(logits, other))
-    return agree / sum(len(a) for a in logits)
+    """Top-1 agreement over the batches both lists have (`other` may cover only the first ones)."""
+    pairs = list(zip(logits, other))
+    return sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in pairs) / sum(len(a) for a, _ in pairs)
 
 
 def resolve_device(device: Optional[str] = None) -> torch.device:
@@ -482,6 +553,8 @@ def convert_model(
         *,
         ridge: float = 1e-2,
         positions_per_batch: int = 2048,
+        positions_per_unknown: Optional[float] = 32.,
+        analytic_batches: Optional[int] = 4,
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
         cache_dtype: Optional[torch.dtype] = None,
@@ -499,7 +572,14 @@ def convert_model(
             analytic map only.
         ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the
             normal equations.
-        positions_per_batch: output positions sampled per batch and layer for the fit.
+        positions_per_batch: output positions sampled per batch and layer for the fit, at most.
+        positions_per_unknown: at most this many sampled positions per unknown of a layer's fit (its fan-in, plus
+            the bias and the slot's shift), over all batches: a least-squares fit needs a multiple of its unknowns,
+            and `U^T U` costs positions x unknowns^2, which would dwarf the forward passes in a wide layer (None:
+            `positions_per_batch` from every batch).
+        analytic_batches: the first calibration batches the analytic map's top-1 agreement with the original is
+            measured on, in a forward pass of its own (None: all; 0: not measured). The calibrated model's is
+            measured on all of them, at no cost: the calibration walk computes its output.
         device: where the forward passes run and the normal equations are accumulated (float64) and
             solved: 'cpu', 'cuda', or 'auto'/None (CUDA when available).
         calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
@@ -530,8 +610,9 @@ def convert_model(
         model.eval().to(device)
         converted.to(device)
         try:
-            _calibrate(model, converted, [x.to(device) for x in batches], report, ridge, positions_per_batch,
-                       _ActivationCache(calib_memory, cache_dtype), progress, seed)
+            _calibrate(model, converted, [x.to(device) for x in batches], report, ridge,
+                       (positions_per_batch, positions_per_unknown), _ActivationCache(calib_memory, cache_dtype),
+                       progress, seed, analytic_batches)
         finally:
             model.to(home)
         converted.to(home)
@@ -540,7 +621,7 @@ def convert_model(
     return converted, report
 
 
-def _calibrate(model, converted, batches, report, ridge, positions_per_batch, cache, progress, seed) -> None:
+def _calibrate(model, converted, batches, report, ridge, sampling, cache, progress, seed, analytic_batches) -> None:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
 
     Both models are traced and walked over all batches together (`_GraphWalk`): the converted model up to
@@ -554,7 +635,7 @@ def _calibrate(model, converted, batches, report, ridge, positions_per_batch, ca
     layers = [(n, m) for n, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
     with torch.no_grad():
-        analytic = [converted(x) for x in batches]
+        analytic = [converted(x) for x in batches[:analytic_batches]]
         walk = _GraphWalk(_trace(converted), batches, cache)
         original = _GraphWalk(_trace(model, targets.values()), batches, cache)
         layers = sorted([(n, m) for n, m in layers if walk.calls(n)], key=lambda item: walk.index[walk.node(item[0])])
@@ -564,8 +645,8 @@ def _calibrate(model, converted, batches, report, ridge, positions_per_batch, ca
             bar = tqdm(total=len(layers), desc='calibrating', unit='layer', leave=False)
         try:
             for name, layer in layers:
-                _fit_layer(name, layer, slots.get(name), targets[name], walk, original, report, ridge,
-                           positions_per_batch, generator)
+                _fit_layer(name, layer, slots.get(name), targets[name], walk, original, report, ridge, sampling,
+                           generator)
                 if bar is not None:
                     bar.update()
             walk.run_until(None)
@@ -574,17 +655,29 @@ def _calibrate(model, converted, batches, report, ridge, positions_per_batch, ca
             cache.close()
             if bar is not None:
                 bar.close()
-    report.top1_agreement_analytic = _agreement(original.outputs, analytic)
+    if analytic:
+        report.top1_agreement_analytic = _agreement(original.outputs, analytic)
+        report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
 
 
-def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, positions_per_batch, generator):
+def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:
+    """The positions drawn from each batch for a fit of `unknowns` unknowns: at most `per_batch`, and at most
+    `per_unknown` per unknown over all `batches`."""
+    if per_unknown is None:
+        return per_batch
+    return max(1, min(per_batch, math.ceil(per_unknown * unknowns / batches)))
+
+
+def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, sampling, generator):
     """Fit one layer on the inputs the converted walk gives it, to the original walk's values at `target_path`."""
     node, target = walk.node(name), original.node(target_path)
     walk.run_until(node)
     original.run_until(target, inclusive=True)
     conv = isinstance(layer, PatchNormConv2d)
     channels = layer.weight.shape[0]
+    unknowns = layer.weight[0].numel() + (layer.bias is not None) + (slot is not None)
+    positions_per_batch = positions_per_batch_for(unknowns, len(walk.batches), *sampling)
     equations = _NormalEquations()
     for b in range(len(walk.batches)):
         z = _as_channels(original.value(target, b), channels, conv)
@@ -599,8 +692,8 @@ def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, po
         equations.add(u, z)
     v0 = _layer_params(layer, slot)
     before = equations.fidelity(v0)
-    v = equations.solve(v0, ridge, free_last=slot is not None)
-    after = equations.fidelity(v)
+    v, gram_v = equations.solve(v0, ridge, free_last=slot is not None)
+    after = equations.fidelity(v, gram_v)
     _set_layer_params(layer, slot, v.float())
     report.layers.append(LayerFit(name, target_path, equations.count, *before, *after))
     _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')
