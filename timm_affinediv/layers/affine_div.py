@@ -93,7 +93,9 @@ def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
 def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
     """`|x|^2` over `dim`, kept as a dimension of size 1, in float32 or wider."""
     if portable_ops():
-        return at_least_float32(x).square().sum(dim, keepdim=True)
+        # x * x, not square(): exported as Pow, which ONNX Runtime runs several times slower than Mul
+        x = at_least_float32(x)
+        return (x * x).sum(dim, keepdim=True)
     if x.stride(dim) == 1:
         # over contiguous elements the norm kernel is fastest, and it does not materialise x^2
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -166,8 +168,11 @@ def patch_sq_norm(
     box filter with the convolution's geometry. `padding` is `(left, right, top, bottom)`.
     Returns `(N, groups, H_out, W_out)`.
     """
-    if kernel_size == (1, 1) and stride != (1, 1) and not any(padding):
-        # a strided 1x1 convolution reads only every stride-th position: take the norms there alone
+    if kernel_size == (1, 1) and stride != (1, 1) and not any(padding) and not portable_ops():
+        # a strided 1x1 convolution reads only every stride-th position: take the norms there alone (exported
+        # graphs keep the stride in the box filter: a strided Slice of the input costs ONNX Runtime a copy, and the
+        # full-resolution norms are those of the same input's other reader, e.g. a bottleneck's first convolution,
+        # which ONNX Runtime's common-subexpression elimination then computes once)
         x, stride = x[:, :, ::stride[0], ::stride[1]], (1, 1)
     if torch.jit.is_scripting():
         # TorchScript does not apply autocast
