@@ -395,6 +395,7 @@ class _NormalEquations:
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_rows = 0
         self._gram = self._cross = self.target_sq = None
+        self._mirrored = False
         self.count = 0
 
     def add(self, u: torch.Tensor, z: torch.Tensor) -> None:
@@ -430,12 +431,12 @@ class _NormalEquations:
     def _finish(self) -> torch.Tensor:
         """`U^T U` in the accumulation dtype, complete: the blocks below the diagonal mirrored from above."""
         self._flush()
-        if not getattr(self, '_finished', False):
+        if not self._mirrored:
             blocks = self._blocks(self._gram.shape[-1])
             for i, rows in enumerate(blocks):
                 for columns in blocks[i + 1:]:
                     self._gram[:, columns, rows] = self._gram[:, rows, columns].transpose(1, 2)
-            self._finished = True
+            self._mirrored = True
         return self._gram
 
     @functools.cached_property
