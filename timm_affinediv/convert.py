@@ -128,14 +128,15 @@ def model_in_chans(model: nn.Module) -> int:
 
 
 def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -> nn.Module:
-    """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them)."""
+    """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them),
+    in `model`'s dtype."""
     if norm not in CONVERSION_NORMS:
         raise ConversionError(f'norm must be one of {CONVERSION_NORMS}, got {norm!r}')
     kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=model_in_chans(model))
     kwargs.update({k: v for k, v in get_model_args(model).items() if k != 'norm_layer'})
     kwargs.update(model_kwargs)
     try:
-        return timm.create_model(_architecture(model), norm_layer=norm, **kwargs)
+        return timm.create_model(_architecture(model), norm_layer=norm, **kwargs).to(next(model.parameters()).dtype)
     except SlotLayoutError as e:
         raise ConversionError(f'cannot convert {_architecture(model)}: {e}') from e
 
@@ -341,8 +342,9 @@ class _GraphWalk:
         return None
 
 
-def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor]) -> torch.Tensor:
-    """ `u = [P; 1] / s(P)` at the output positions `keep` (all if None): (groups, positions, K (+1)).
+def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shift: bool = False) -> torch.Tensor:
+    """ `u = [P; 1] / s(P)` at the output positions `keep` (all if None), and a constant 1 after it for a slot's
+    shift if `shift`: (groups, positions, K (+1) (+1)).
 
     Positions are numbered as `F.unfold` numbers them (image, then row-major output position); only the
     kept patches are gathered, so the im2col of every position is never materialised.
@@ -361,14 +363,25 @@ def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor]) -
         if keep is None:
             keep = torch.arange(x.shape[0] * out_h * out_w, device=x.device)
         image, at = keep.div(out_h * out_w, rounding_mode='floor'), keep.remainder(out_h * out_w)
-        rows = at.div(out_w, rounding_mode='floor')[:, None] * sh + torch.arange(kh, device=x.device) * dh
-        columns = at.remainder(out_w)[:, None] * sw + torch.arange(kw, device=x.device) * dw
-        patches = x.permute(0, 2, 3, 1)[image[:, None, None], rows[:, :, None], columns[:, None, :]]  # (P, kh, kw, C)
-        cols = patches.permute(0, 3, 1, 2).reshape(len(keep), layer.groups, -1).transpose(0, 1)   # (G, P, K)
+        rows = at.div(out_w, rounding_mode='floor')[:, None, None] * sh + torch.arange(kh, device=x.device)[:, None] * dh
+        columns = at.remainder(out_w)[:, None, None] * sw + torch.arange(kw, device=x.device) * dw
+        if layer.groups == 1:
+            patches = x.permute(0, 2, 3, 1)[image[:, None, None], rows, columns]            # (P, kh, kw, C)
+            cols = patches.permute(0, 3, 1, 2).reshape(1, len(keep), -1)                # (1, P, K)
+        else:
+            # gathered channels first, a depthwise layer's features are already (G, P, K), with no transposing copy
+            patches = x.transpose(0, 1)[:, image[:, None, None], rows, columns]             # (C, P, kh, kw)
+            cols = patches.unflatten(0, (layer.groups, -1)).transpose(1, 2).flatten(2)  # (G, P, K)
+    sq = torch.linalg.vector_norm(cols, dim=-1, keepdim=True).square_()
+    scale = sq.add_(1. if bias else layer.eps).reciprocal_().mul_(c).sqrt_()            # sqrt(c / (|P|^2 + 1))
+    k = cols.shape[-1]
+    u = cols.new_empty(cols.shape[:-1] + (k + bias + shift,))
+    torch.mul(cols, scale, out=u[..., :k])
     if bias:
-        cols = torch.cat([cols, torch.ones_like(cols[..., :1])], -1)
-    sq = cols.square().sum(-1, keepdim=True)
-    return cols * (c / (sq if bias else sq + layer.eps)).sqrt()
+        u[..., k:k + 1] = scale
+    if shift:
+        u[..., -1] = 1.
+    return u
 
 
 def _as_channels(out: torch.Tensor, channels: int, conv: bool) -> torch.Tensor:
@@ -385,9 +398,9 @@ class _NormalEquations:
 
     `U^T U` and `U^T Z` are accumulated in the features' own dtype (float32: the GEMMs at about four times
     float64's speed, exact to about 1e-6 of their terms, far inside the ridge) and taken to float64 for the
-    solve. Rows are pooled over batches up to `pool_rows` before each product (a batch may give a wide layer
-    only a few positions, and each product reads and writes all of `U^T U`), and of a wide symmetric `U^T U`
-    only the blocks on and above the diagonal are computed.
+    solve. Rows are pooled over batches until they are as many as the features (or `pool_rows`) before each
+    product: a batch may give a wide layer only a few positions, and each product reads and writes all of
+    `U^T U`. Of a wide `U^T U` only the blocks on and above the diagonal are computed.
     """
 
     def __init__(self, pool_rows: int = 4096, block: int = 1024):
@@ -404,7 +417,7 @@ class _NormalEquations:
         sq = z.double().square().sum((1, 2))
         self.target_sq = sq if self.target_sq is None else self.target_sq + sq
         self.count += u.shape[1]
-        if self._pending_rows >= self.pool_rows:
+        if self._pending_rows >= min(self.pool_rows, u.shape[-1]):
             self._flush()
 
     def _blocks(self, k: int) -> List[slice]:
@@ -686,15 +699,13 @@ def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, sa
         if len(z) > positions_per_batch:  # the draw, per batch in forward order, of the layer-by-layer fit
             keep = torch.randperm(len(z), generator=generator)[:positions_per_batch].to(z.device)
             z = z[keep]
-        u = _features(layer, walk.value(node.args[0], b), keep)
+        u = _features(layer, walk.value(node.args[0], b), keep, shift=slot is not None)
         z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)                      # (G, positions, out/G)
-        if slot is not None:
-            u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
         equations.add(u, z)
     v0 = _layer_params(layer, slot)
     before = equations.fidelity(v0)
     v, gram_v = equations.solve(v0, ridge, free_last=slot is not None)
     after = equations.fidelity(v, gram_v)
-    _set_layer_params(layer, slot, v.float())
+    _set_layer_params(layer, slot, v)
     report.layers.append(LayerFit(name, target_path, equations.count, *before, *after))
     _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')

@@ -4,9 +4,10 @@ calibration set, for full-width models (random weights: the cost does not depend
     timm-affinediv bench-convert                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
     timm-affinediv bench-convert --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
-Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Run on an idle machine:
+Prints a markdown table: calibration set, one forward pass (s, the median of three), conversion (s), ratio. Run on an idle machine:
 both times are measured in the same run, side by side, so the ratio is what to compare.
 """
+import statistics
 import sys
 import time
 
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
             model = timm.create_model(name, **kwargs).eval()
             batches = calibration_set(setting, args.batches[i], args.batch_size[i], model)
             forward_seconds(model, batches[:1], device)  # warm-up
-            forward = forward_seconds(model, batches, device)
+            # the median of three passes: a single pass's time varies by a fifth from run to run here
+            forward = statistics.median(forward_seconds(model, batches, device) for _ in range(3))
             model.cpu()
             start = time.perf_counter()
             convert_model(model, calibration=batches, device=str(device))
