@@ -363,8 +363,9 @@ def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], s
         if keep is None:
             keep = torch.arange(x.shape[0] * out_h * out_w, device=x.device)
         image, at = keep.div(out_h * out_w, rounding_mode='floor'), keep.remainder(out_h * out_w)
-        rows = at.div(out_w, rounding_mode='floor')[:, None, None] * sh + torch.arange(kh, device=x.device)[:, None] * dh
-        columns = at.remainder(out_w)[:, None, None] * sw + torch.arange(kw, device=x.device) * dw
+        row, column = at.div(out_w, rounding_mode='floor'), at.remainder(out_w)
+        rows = row[:, None, None] * sh + torch.arange(kh, device=x.device)[:, None] * dh                # (P, kh, 1)
+        columns = column[:, None, None] * sw + torch.arange(kw, device=x.device) * dw                  # (P, 1, kw)
         if layer.groups == 1:
             patches = x.permute(0, 2, 3, 1)[image[:, None, None], rows, columns]            # (P, kh, kw, C)
             cols = patches.permute(0, 3, 1, 2).reshape(1, len(keep), -1)                # (1, P, K)

@@ -4,8 +4,8 @@ calibration set, for full-width models (random weights: the cost does not depend
     timm-affinediv bench-convert                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
     timm-affinediv bench-convert --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
-Prints a markdown table: calibration set, one forward pass (s, the median of three), conversion (s), ratio. Run on an idle machine:
-both times are measured in the same run, side by side, so the ratio is what to compare.
+Prints a markdown table: calibration set, one forward pass (s, the median of three), conversion (s), ratio. Run
+on an idle machine: both times are measured in the same run, side by side, so the ratio is what to compare.
 """
 import statistics
 import sys
