@@ -294,3 +294,34 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     assert positions_per_batch_for(100, 4, 2048, None) == 2048
     assert positions_per_batch_for(100, 4, 2048, 32) == 800
     assert positions_per_batch_for(100, 4, 500, 32) == 500
+
+
+@pytest.mark.parametrize('block', [7, 1024])
+def test_normal_equations_are_the_least_squares_fit(block):
+    """The pooled, block-triangular float32 sums and the Cholesky solve against the float64 closed form."""
+    from timm_affinediv.convert import _NormalEquations
+    generator = torch.Generator().manual_seed(0)
+    us = [torch.randn(2, n, 20, generator=generator) for n in (5, 30, 3, 40)]
+    us = [torch.cat([u, torch.ones_like(u[..., :1])], -1) for u in us]           # a free constant column last
+    zs = [torch.randn(2, u.shape[1], 4, generator=generator) for u in us]
+    equations = _NormalEquations(pool_rows=32, block=block)
+    for u, z in zip(us, zs):
+        equations.add(u, z)
+    u, z = torch.cat(us, 1).double(), torch.cat(zs, 1).double()
+    torch.testing.assert_close(equations.gram, u.transpose(1, 2) @ u, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(equations.cross, u.transpose(1, 2) @ z, rtol=1e-5, atol=1e-4)
+    assert equations.count == u.shape[1]
+    v0 = torch.randn(2, 21, 4, generator=generator, dtype=torch.float64)
+    v, gram_v = equations.solve(v0, ridge=1e-2, free_last=True)
+    gram = u.transpose(1, 2) @ u
+    penalty = torch.ones(21, dtype=torch.float64)
+    penalty[-1] = 0
+    reg = torch.diag_embed(1e-2 * gram.diagonal(dim1=1, dim2=2).mean(1, keepdim=True) * penalty)
+    expected = torch.linalg.solve(gram + reg, u.transpose(1, 2) @ z + reg @ v0)
+    torch.testing.assert_close(v, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gram_v, gram @ v, rtol=1e-4, atol=1e-4)
+    for w in (v0, v):
+        residual = (u @ w - z).square().sum()
+        rel_err, cos = equations.fidelity(w)
+        assert rel_err == pytest.approx((residual / z.square().sum()).sqrt().item(), rel=1e-4)
+        assert cos == pytest.approx(((u @ w) * z).sum().item() / ((u @ w).norm() * z.norm()).item(), rel=1e-4)
