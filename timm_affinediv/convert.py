@@ -436,11 +436,17 @@ class _NormalEquations:
             self._gram = u.new_zeros(groups, k, k)
             self._cross = u.new_zeros(groups, k, z.shape[-1])
         ut = u.transpose(1, 2)
-        self._cross.baddbmm_(ut, z)
-        blocks = self._blocks(k)
-        for i, rows in enumerate(blocks):
-            for columns in blocks[i:]:
-                self._gram[:, rows, columns].baddbmm_(ut[:, rows], u[:, :, columns])
+        # float32's own precision, whatever a training script set (TF32 or bf16 products would lose three digits)
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision('highest')
+        try:
+            self._cross.baddbmm_(ut, z)
+            blocks = self._blocks(k)
+            for i, rows in enumerate(blocks):
+                for columns in blocks[i:]:
+                    self._gram[:, rows, columns].baddbmm_(ut[:, rows], u[:, :, columns])
+        finally:
+            torch.set_float32_matmul_precision(precision)
 
     def _finish(self) -> torch.Tensor:
         """`U^T U` in the accumulation dtype, complete: the blocks below the diagonal mirrored from above."""
@@ -595,8 +601,8 @@ def convert_model(
         analytic_batches: the first calibration batches the analytic map's top-1 agreement with the original is
             measured on, in a forward pass of its own (None: all; 0: not measured). The calibrated model's is
             measured on all of them, at no cost: the calibration walk computes its output.
-        device: where the forward passes run and the normal equations are accumulated (float64) and
-            solved: 'cpu', 'cuda', or 'auto'/None (CUDA when available).
+        device: where the forward passes run and the normal equations are accumulated (float32 products) and
+            solved (float64): 'cpu', 'cuda', or 'auto'/None (CUDA when available).
         calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
             they spill to a temporary folder.
         cache_dtype: the dtype those activations are kept in (None: as computed, exact; torch.float16
