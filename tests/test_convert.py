@@ -305,6 +305,7 @@ def test_normal_equations_are_the_least_squares_fit(block):
     us = [torch.cat([u, torch.ones_like(u[..., :1])], -1) for u in us]           # a free constant column last
     zs = [torch.randn(2, u.shape[1], 4, generator=generator) for u in us]
     equations = _NormalEquations(pool_rows=32, block=block)
+    previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision('medium')  # as a training script may leave it: the sums take 'highest'
     try:
         for u, z in zip(us, zs):
@@ -314,7 +315,7 @@ def test_normal_equations_are_the_least_squares_fit(block):
         torch.testing.assert_close(equations.cross, u.transpose(1, 2) @ z, rtol=1e-5, atol=1e-4)
         assert torch.get_float32_matmul_precision() == 'medium', 'the setting is restored'
     finally:
-        torch.set_float32_matmul_precision('highest')
+        torch.set_float32_matmul_precision(previous)
     assert equations.count == u.shape[1]
     v0 = torch.randn(2, 21, 4, generator=generator, dtype=torch.float64)
     v, gram_v = equations.solve(v0, ridge=1e-2, free_last=True)
