@@ -397,9 +397,9 @@ def _as_channels(out: torch.Tensor, channels: int, conv: bool) -> torch.Tensor:
 class _NormalEquations:
     """ Running sums `U^T U`, `U^T Z`, `Z^T Z` per group, over sampled positions.
 
-    `U^T U` and `U^T Z` are accumulated in the features' own dtype (float32: the GEMMs at about four times
-    float64's speed, exact to about 1e-6 of their terms, far inside the ridge) and taken to float64 for the
-    solve. Rows are pooled over batches until they are as many as the features (or `pool_rows`) before each
+    `U^T U` and `U^T Z` are accumulated in the features' dtype, at least float32 (float32: the GEMMs at about
+    four times float64's speed, exact to about 1e-6 of their terms, far inside the ridge) and taken to float64
+    for the solve. Rows are pooled over batches until they are as many as the features (or `pool_rows`) before each
     product: a batch may give a wide layer only a few positions, and each product reads and writes all of
     `U^T U`. Of a wide `U^T U` only the blocks on and above the diagonal are computed.
     """
@@ -413,7 +413,8 @@ class _NormalEquations:
         self.count = 0
 
     def add(self, u: torch.Tensor, z: torch.Tensor) -> None:
-        self._pending.append((u, z.to(u.dtype)))
+        dtype = torch.promote_types(u.dtype, torch.float32)  # a half-precision model's features: summed in float32
+        self._pending.append((u.to(dtype), z.to(dtype)))
         self._pending_rows += u.shape[1]
         sq = z.double().square().sum((1, 2))
         self.target_sq = sq if self.target_sq is None else self.target_sq + sq
