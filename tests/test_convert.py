@@ -331,3 +331,15 @@ def test_normal_equations_are_the_least_squares_fit(block):
         rel_err, cos = equations.fidelity(w)
         assert rel_err == pytest.approx((residual / z.square().sum()).sqrt().item(), rel=1e-4)
         assert cos == pytest.approx(((u @ w) * z).sum().item() / ((u @ w).norm() * z.norm()).item(), rel=1e-4)
+
+
+def test_half_precision_model_converts_in_its_dtype(data):
+    (x, _), _ = data
+    model = _randomised('resnet18')
+    batches = [x[i:i + 16] for i in range(0, 32, 16)]
+    _, full = convert_model(model, calibration=batches)
+    half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches])
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
+    np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],
+                               rtol=0.05, atol=0.01)
