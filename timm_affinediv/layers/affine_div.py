@@ -90,10 +90,11 @@ def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
         raise ValueError(f"{name} expects {channels} input channels, got shape {list(x.shape)}")
 
 
+# squares are written `x * x` throughout: `square()` is exported as Pow, which ONNX Runtime runs several times
+# slower than Mul
 def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
     """`|x|^2` over `dim`, kept as a dimension of size 1, in float32 or wider."""
     if portable_ops():
-        # x * x, not square(): exported as Pow, which ONNX Runtime runs several times slower than Mul
         x = at_least_float32(x)
         return (x * x).sum(dim, keepdim=True)
     if x.stride(dim) == 1:
@@ -108,7 +109,8 @@ def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
 def channel_sq_norm(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """`|x|^2` over the channels of each group of an (N, C, H, W) tensor: (N, groups, H, W), float32 or wider."""
     if groups == x.shape[1]:
-        return at_least_float32(x).square()
+        x = at_least_float32(x)
+        return x * x
     if groups == 1:
         return sq_norm(x, 1)
     return sq_norm(x.unflatten(1, (groups, -1)), 2).squeeze(2)

@@ -32,7 +32,7 @@ def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6
 
 def _normalise(x: torch.Tensor, dim: int, c: int, eps: float) -> torch.Tensor:
     x32 = at_least_float32(x)
-    inv_norm = x32.square().sum(dim, keepdim=True).div_(c).add_(eps).rsqrt()
+    inv_norm = (x32 * x32).sum(dim, keepdim=True).div_(c).add_(eps).rsqrt()  # x * x: exported as Mul, not Pow
     return (x32 * inv_norm).to(x.dtype)
 
 
