@@ -135,23 +135,57 @@ def _capture(model, module, x, want):
 
 
 def _unfold_features(layer, x):
-    """The reference's features: the full im2col by F.unfold, every position."""
+    """The reference's features: the full im2col by F.unfold, every position, each patch in (kh, kw, C) order."""
     bias = layer.bias is not None
     if isinstance(layer, AffineDivLinear):
         cols = x.reshape(-1, x.shape[-1]).unsqueeze(0)
     else:
-        x = F.pad(x, layer._reversed_padding_repeated_twice)
+        mode = 'constant' if layer.padding_mode == 'zeros' else layer.padding_mode
+        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
         cols = F.unfold(x, layer.kernel_size, dilation=layer.dilation, stride=layer.stride)
-        cols = cols.unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 2).flatten(1, 2)
+        cols = cols.unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 2).flatten(1, 2)     # (G, P, C/G kh kw)
+        cols = cols.unflatten(-1, (-1, *layer.kernel_size)).permute(0, 1, 3, 4, 2).flatten(2)
     if bias:
         cols = torch.cat([cols, torch.ones_like(cols[..., :1])], -1)
     sq = cols.square().sum(-1, keepdim=True)
     return cols * (layer.divergence_constant / (sq if bias else sq + layer.eps)).sqrt()
 
 
+@pytest.mark.parametrize('conv, channels_last', [
+    (dict(kernel_size=3, stride=2, padding=1), False),
+    (dict(kernel_size=3, stride=2, padding=1), True),
+    (dict(kernel_size=3, padding=2, dilation=2, groups=2), False),         # grouped, 3 channels a group
+    (dict(kernel_size=7, padding=3, groups=6), True),                      # depthwise, as ConvNeXt's
+    (dict(kernel_size=1, stride=2), False),                                # ResNet's downsample
+    (dict(kernel_size=3, padding=1, padding_mode='reflect', bias=False), False),
+])
+def test_features_are_the_patches_at_the_kept_positions(conv, channels_last):
+    """The gathered features against the full im2col, at sampled positions, in the weight's fit order."""
+    from timm_affinediv.convert import _features, _fit_order, _from_fit_order
+    torch.manual_seed(0)
+    layer = PatchNormConv2d(6, 6, **conv).double()
+    x = torch.randn(3, 6, 9, 8, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    reference = _unfold_features(layer, x)
+    keep = torch.randperm(reference.shape[1])[:17]
+    u = _features(layer, x, keep, shift=True)
+    torch.testing.assert_close(u[..., :-1], reference[:, keep], rtol=1e-12, atol=1e-12)
+    assert (u[..., -1] == 1).all()
+    torch.testing.assert_close(_features(layer, x, None), reference, rtol=1e-12, atol=1e-12)
+    # the features' order is the weight's fit order: the layer's output is u . (W, b)
+    w = _fit_order(layer.weight).unflatten(0, (layer.groups, -1)).transpose(1, 2)   # (G, K, O/G)
+    out = layer(x).unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 4, 2).flatten(1, 3)  # (G, P, O/G)
+    fit = reference[..., :w.shape[1]] @ w
+    if layer.bias is not None:
+        fit = fit + reference[..., -1:] * layer.bias.view(layer.groups, 1, -1)
+    torch.testing.assert_close(fit, out, rtol=1e-10, atol=1e-10)
+    assert _from_fit_order(_fit_order(layer.weight), layer.weight).equal(layer.weight)
+
+
 def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
     """The layer-by-layer fit as it was: every layer reruns both prefixes on every batch (layers x batches)."""
-    from timm_affinediv.convert import (_NormalEquations, _as_channels, _carry_weights, _check_norms,
+    from timm_affinediv.convert import (_NormalEquations, _carry_weights, _targets, _check_norms,
                                         _layer_params, _set_layer_params, build_converted)
     from timm_affinediv.layers.slot import PatchNormSlot
     converted = build_converted(model).eval()
@@ -175,8 +209,8 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
         equations = _NormalEquations()
         for x in batches:
             u = _unfold_features(layer, _capture(converted, layer, x, 'input'))
-            z = _as_channels(_capture(model, original[target], x, 'output'), layer.weight.shape[0],
-                             isinstance(layer, PatchNormConv2d))
+            z = _targets(_capture(model, original[target], x, 'output'), layer.weight.shape[0],
+                         isinstance(layer, PatchNormConv2d), None)
             z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)
             if slot is not None:
                 u = torch.cat([u, torch.ones_like(u[..., :1])], -1)
@@ -184,8 +218,8 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
                 keep = torch.randperm(u.shape[1], generator=generator)[:positions_per_batch]
                 u, z = u[:, keep], z[:, keep]
             equations.add(u, z)
-        v, _ = equations.solve(_layer_params(layer, slot), ridge, free_last=slot is not None)
-        errors.append(equations.fidelity(v)[0])
+        v, _, after = equations.fit(_layer_params(layer, slot), ridge, free_last=slot is not None)
+        errors.append(after[0])
         _set_layer_params(layer, slot, v)
     return converted, errors
 
@@ -296,41 +330,54 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     assert positions_per_batch_for(100, 4, 500, 32) == 500
 
 
-@pytest.mark.parametrize('block', [7, 1024])
-def test_normal_equations_are_the_least_squares_fit(block):
-    """The pooled, block-triangular float32 sums and the Cholesky solve against the float64 closed form."""
+def _closed_form_fit(u, z, v0, ridge, free_last):
+    """The float64 ridge fit of `_NormalEquations.fit`, from its definition."""
+    gram = u.transpose(1, 2) @ u
+    penalty = torch.ones(u.shape[-1], dtype=torch.float64)
+    if free_last:
+        penalty[-1] = 0
+    reg = torch.diag_embed(ridge * gram.diagonal(dim1=1, dim2=2).mean(1, keepdim=True) * penalty)
+    return torch.linalg.solve(gram + reg, u.transpose(1, 2) @ z + reg @ v0)
+
+
+@pytest.mark.parametrize('rows, block, free_last', [
+    ((5, 30, 3, 40), 7, True),         # pooled into the sums, block-triangular products
+    ((5, 30, 3, 40), 1024, False),
+    ((5, 3, 4), 7, True),              # fewer rows than features: the dual fit
+    ((5, 3, 4), 1024, False),
+])
+def test_normal_equations_are_the_least_squares_fit(rows, block, free_last):
+    """The float32 sums (or row products) and the float64 solve against the float64 closed form, with features
+    no row reaches (a tap reading only padding) among them."""
     from timm_affinediv.convert import _NormalEquations
     generator = torch.Generator().manual_seed(0)
-    us = [torch.randn(2, n, 20, generator=generator) for n in (5, 30, 3, 40)]
-    us = [torch.cat([u, torch.ones_like(u[..., :1])], -1) for u in us]           # a free constant column last
+    us = [torch.randn(2, n, 20, generator=generator) for n in rows]
+    for u in us:
+        u[..., 3] = 0                                                             # never reached
+    if free_last:
+        us = [torch.cat([u, torch.ones_like(u[..., :1])], -1) for u in us]       # a free constant column last
     zs = [torch.randn(2, u.shape[1], 4, generator=generator) for u in us]
     equations = _NormalEquations(pool_rows=32, block=block)
+    k = us[0].shape[-1]
+    v0 = torch.randn(2, k, 4, generator=generator, dtype=torch.float64)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision('medium')  # as a training script may leave it: the sums take 'highest'
     try:
         for u, z in zip(us, zs):
             equations.add(u, z)
-        u, z = torch.cat(us, 1).double(), torch.cat(zs, 1).double()
-        torch.testing.assert_close(equations.gram, u.transpose(1, 2) @ u, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(equations.cross, u.transpose(1, 2) @ z, rtol=1e-5, atol=1e-4)
+        v, before, after = equations.fit(v0, ridge=1e-2, free_last=free_last)
         assert torch.get_float32_matmul_precision() == 'medium', 'the setting is restored'
     finally:
         torch.set_float32_matmul_precision(previous)
+    u, z = torch.cat(us, 1).double(), torch.cat(zs, 1).double()
     assert equations.count == u.shape[1]
-    v0 = torch.randn(2, 21, 4, generator=generator, dtype=torch.float64)
-    v, gram_v = equations.solve(v0, ridge=1e-2, free_last=True)
-    gram = u.transpose(1, 2) @ u
-    penalty = torch.ones(21, dtype=torch.float64)
-    penalty[-1] = 0
-    reg = torch.diag_embed(1e-2 * gram.diagonal(dim1=1, dim2=2).mean(1, keepdim=True) * penalty)
-    expected = torch.linalg.solve(gram + reg, u.transpose(1, 2) @ z + reg @ v0)
-    torch.testing.assert_close(v, expected, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(gram_v, gram @ v, rtol=1e-4, atol=1e-4)
-    for w in (v0, v):
+    torch.testing.assert_close(v, _closed_form_fit(u, z, v0, 1e-2, free_last), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v[:, 3], v0[:, 3], rtol=0, atol=1e-12)              # no data: the starting point
+    for w, (rel_err, cos) in ((v0, before), (v, after)):
         residual = (u @ w - z).square().sum()
-        rel_err, cos = equations.fidelity(w)
         assert rel_err == pytest.approx((residual / z.square().sum()).sqrt().item(), rel=1e-4)
         assert cos == pytest.approx(((u @ w) * z).sum().item() / ((u @ w).norm() * z.norm()).item(), rel=1e-4)
+    assert after[0] < before[0]
 
 
 def test_half_precision_model_converts_in_its_dtype(data):

@@ -33,6 +33,7 @@ sigma + beta`, the slot gets `gamma / sigma` and `beta`, the convolution keeps `
 pre-division bias `b - mu`: exact wherever the patch's root mean square `s(P)` is 1. With
 LayerNorm the slot takes `gamma` and `beta` as they are.
 """
+import contextlib
 import functools
 import logging
 import math
@@ -342,12 +343,30 @@ class _GraphWalk:
         return None
 
 
+def _pixels(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """`x` padded as the convolution pads it, as contiguous (N, H, W, C) pixels: a patch is then kh x kw rows."""
+    left, right, top, bottom = layer._reversed_padding_repeated_twice
+    if layer.padding_mode != 'zeros':
+        x = F.pad(x, (left, right, top, bottom), mode=layer.padding_mode)
+    elif left or right or top or bottom:
+        n, c, h, w = x.shape
+        padded = x.new_zeros(n, h + top + bottom, w + left + right, c)
+        padded[:, top:top + h, left:left + w] = x.permute(0, 2, 3, 1)
+        return padded
+    return x.permute(0, 2, 3, 1).contiguous()  # no copy where x is channels-last already
+
+
+def _positions(keep: torch.Tensor, height: int, width: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(image, row, column) of output positions numbered image first, then row-major (as `F.unfold` numbers them)."""
+    image, at = keep.div(height * width, rounding_mode='floor'), keep.remainder(height * width)
+    return image, at.div(width, rounding_mode='floor'), at.remainder(width)
+
+
 def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shift: bool = False) -> torch.Tensor:
     """ `u = [P; 1] / s(P)` at the output positions `keep` (all if None), and a constant 1 after it for a slot's
-    shift if `shift`: (groups, positions, K (+1) (+1)).
+    shift if `shift`: (groups, positions, K (+1) (+1)), a patch's features in (kh, kw, C) order (`_fit_order`).
 
-    Positions are numbered as `F.unfold` numbers them (image, then row-major output position); only the
-    kept patches are gathered, so the im2col of every position is never materialised.
+    Only the kept patches are gathered, so the im2col of every position is never materialised.
     """
     bias = layer.bias is not None
     c = layer.divergence_constant
@@ -355,24 +374,25 @@ def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], s
         cols = x.reshape(-1, x.shape[-1])
         cols = (cols if keep is None else cols[keep]).unsqueeze(0)             # (1, P, K)
     else:
-        mode = 'constant' if layer.padding_mode == 'zeros' else layer.padding_mode
-        x = F.pad(x, layer._reversed_padding_repeated_twice, mode=mode)
         (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
-        out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
-        out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
+        left, right, top, bottom = layer._reversed_padding_repeated_twice
+        out_h = (x.shape[2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
+        out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
         if keep is None:
             keep = torch.arange(x.shape[0] * out_h * out_w, device=x.device)
-        image, at = keep.div(out_h * out_w, rounding_mode='floor'), keep.remainder(out_h * out_w)
-        row, column = at.div(out_w, rounding_mode='floor'), at.remainder(out_w)
+        image, row, column = _positions(keep, out_h, out_w)
         rows = row[:, None, None] * sh + torch.arange(kh, device=x.device)[:, None] * dh                # (P, kh, 1)
         columns = column[:, None, None] * sw + torch.arange(kw, device=x.device) * dw                  # (P, 1, kw)
         if layer.groups == 1:
-            patches = x.permute(0, 2, 3, 1)[image[:, None, None], rows, columns]            # (P, kh, kw, C)
-            cols = patches.permute(0, 3, 1, 2).reshape(1, len(keep), -1)                # (1, P, K)
+            patches = _pixels(x, layer)[image[:, None, None], rows, columns]                # (P, kh, kw, C)
+            cols = patches.view(1, len(keep), -1)                                              # (1, P, K)
         else:
             # gathered channels first, a depthwise layer's features are already (G, P, K), with no transposing copy
+            mode = 'constant' if layer.padding_mode == 'zeros' else layer.padding_mode
+            x = F.pad(x, (left, right, top, bottom), mode=mode)
             patches = x.transpose(0, 1)[:, image[:, None, None], rows, columns]             # (C, P, kh, kw)
-            cols = patches.unflatten(0, (layer.groups, -1)).transpose(1, 2).flatten(2)  # (G, P, K)
+            patches = patches.unflatten(0, (layer.groups, -1)).permute(0, 2, 3, 4, 1)      # (G, P, kh, kw, C/G)
+            cols = patches.flatten(2)                                                          # (G, P, K)
     sq = torch.linalg.vector_norm(cols, dim=-1, keepdim=True).square_()
     scale = sq.add_(1. if bias else layer.eps).reciprocal_().mul_(c).sqrt_()            # sqrt(c / (|P|^2 + 1))
     k = cols.shape[-1]
@@ -385,23 +405,33 @@ def _features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], s
     return u
 
 
-def _as_channels(out: torch.Tensor, channels: int, conv: bool) -> torch.Tensor:
-    """Targets as (groups-free) (positions, channels), whatever layout the original produced them in."""
-    if conv and out.dim() == 4 and out.shape[1] != channels:
+def _targets(out: torch.Tensor, channels: int, conv: bool, keep: Optional[torch.Tensor]) -> torch.Tensor:
+    """The original's values at the output positions `keep` (all if None) as (positions, channels), whatever
+    layout the original produced them in; only the kept positions are copied."""
+    if not conv:
+        rows = out.reshape(-1, channels)
+        return rows if keep is None else rows[keep]
+    if out.dim() == 4 and out.shape[1] != channels:
         out = out.permute(0, 3, 1, 2)                                            # channels-last norm output
-    if conv:
-        return out.permute(0, 2, 3, 1).reshape(-1, channels)
-    return out.reshape(-1, channels)
+    pixels = out.permute(0, 2, 3, 1)                                             # (N, H, W, C)
+    if keep is None:
+        return pixels.reshape(-1, channels)
+    return pixels[_positions(keep, pixels.shape[1], pixels.shape[2])]
+
+
+Fidelity = Tuple[float, float]
 
 
 class _NormalEquations:
-    """ Running sums `U^T U`, `U^T Z`, `Z^T Z` per group, over sampled positions.
+    """ The ridge least-squares fit of `U v ~ Z` per group, from rows (sampled positions) added batch by batch.
 
-    `U^T U` and `U^T Z` are accumulated in the features' dtype, at least float32 (float32: the GEMMs at about
-    four times float64's speed, exact to about 1e-6 of their terms, far inside the ridge) and taken to float64
-    for the solve. Rows are pooled over batches until they are as many as the features (or `pool_rows`) before each
-    product: a batch may give a wide layer only a few positions, and each product reads and writes all of
-    `U^T U`. Of a wide `U^T U` only the blocks on and above the diagonal are computed.
+    While the rows are fewer than the features they are kept as they are: such a fit is solved in its dual
+    form, on the `n x n` products of its rows, and the features no row reaches (the kernel taps that only read
+    padding, as in the last stage of a small input) are left out of it. Beyond that they are pooled into
+    products of at least as many rows as features (or `pool_rows`; each product reads and writes all of `U^T U`)
+    and summed into `U^T U` and `U^T Z`, of which only the blocks on and above the diagonal are computed. Sums
+    and products are in the features' dtype, at least float32 (float32: the GEMMs at about four times float64's
+    speed, exact to about 1e-6 of their terms, far inside the ridge); the solve is in float64.
     """
 
     def __init__(self, pool_rows: int = 4096, block: int = 1024):
@@ -409,7 +439,6 @@ class _NormalEquations:
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._pending_rows = 0
         self._gram = self._cross = self.target_sq = None
-        self._mirrored = False
         self.count = 0
 
     def add(self, u: torch.Tensor, z: torch.Tensor) -> None:
@@ -419,99 +448,169 @@ class _NormalEquations:
         sq = z.double().square().sum((1, 2))
         self.target_sq = sq if self.target_sq is None else self.target_sq + sq
         self.count += u.shape[1]
-        if self._pending_rows >= min(self.pool_rows, u.shape[-1]):
+        if self.count >= u.shape[-1] and self._pending_rows >= min(self.pool_rows, u.shape[-1]):
             self._flush()
 
-    def _blocks(self, k: int) -> List[slice]:
-        edges = list(range(0, k, self.block)) + [k]
-        return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+    def _take_pending(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        u = torch.cat([u for u, _ in self._pending], 1)
+        z = torch.cat([z for _, z in self._pending], 1)
+        self._pending, self._pending_rows = [], 0
+        return u, z
 
     def _flush(self) -> None:
         if not self._pending:
             return
-        u = torch.cat([u for u, _ in self._pending], 1)
-        z = torch.cat([z for _, z in self._pending], 1)
-        self._pending, self._pending_rows = [], 0
-        groups, _, k = u.shape
+        u, z = self._take_pending()
         if self._gram is None:
-            self._gram = u.new_zeros(groups, k, k)
-            self._cross = u.new_zeros(groups, k, z.shape[-1])
-        ut = u.transpose(1, 2)
-        # float32's own precision, whatever a training script set (TF32 or bf16 products would lose three digits)
-        precision = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision('highest')
-        try:
-            self._cross.baddbmm_(ut, z)
-            blocks = self._blocks(k)
-            for i, rows in enumerate(blocks):
-                for columns in blocks[i:]:
-                    self._gram[:, rows, columns].baddbmm_(ut[:, rows], u[:, :, columns])
-        finally:
-            torch.set_float32_matmul_precision(precision)
+            self._gram = u.new_zeros(u.shape[0], u.shape[2], u.shape[2])
+            self._cross = u.new_zeros(u.shape[0], u.shape[2], z.shape[-1])
+        with _float32_highest():
+            self._cross.baddbmm_(u.transpose(1, 2), z)
+            _add_symmetric_product(self._gram, u.transpose(1, 2), self.block)
 
-    def _finish(self) -> torch.Tensor:
-        """`U^T U` in the accumulation dtype, complete: the blocks below the diagonal mirrored from above."""
-        self._flush()
-        if not self._mirrored:
-            blocks = self._blocks(self._gram.shape[-1])
-            for i, rows in enumerate(blocks):
-                for columns in blocks[i + 1:]:
-                    self._gram[:, columns, rows] = self._gram[:, rows, columns].transpose(1, 2)
-            self._mirrored = True
-        return self._gram
-
-    @functools.cached_property
-    def gram(self) -> torch.Tensor:
-        return self._finish().double()
-
-    @functools.cached_property
-    def cross(self) -> torch.Tensor:
-        self._flush()
-        return self._cross.double()
-
-    def fidelity(self, v: torch.Tensor, gram_v: Optional[torch.Tensor] = None) -> Tuple[float, float]:
-        """ Relative error and cosine similarity of `U v` against `Z`, from the sums alone.
-
-        `gram_v` is `U^T U v` where the caller has it (the solve does); else it is computed in the
-        accumulation dtype (a starting point's error needs no more).
+    def fit(self, v0: torch.Tensor, ridge: float, free_last: bool) -> Tuple[torch.Tensor, Fidelity, Fidelity]:
+        """ `v = argmin |U v - Z|^2 + lambda |v - v0|^2`, `lambda = ridge * mean diag(U^T U)`, the last row (a
+        constant feature) free if asked; returns `v` and the (relative error, cosine) of `v0` and of `v`.
         """
-        gram = self._finish()
-        if gram_v is None:
-            gram_v = (gram @ v.to(gram.dtype)).double()
-        fit_sq = (v * gram_v).sum()
-        inner = (v * self.cross).sum()
-        target_sq = self.target_sq.sum().clamp_min(1e-30)  # a zero target: a zero-initialised gain
-        err_sq = (fit_sq - 2 * inner + target_sq).clamp_min(0)
-        return (err_sq / target_sq).sqrt().item(), (inner / (fit_sq * target_sq).sqrt().clamp_min(1e-30)).item()
+        k = v0.shape[1]
+        if self._gram is None:  # every row is still a row: fewer than the features, or a single pool
+            u, z = self._take_pending()
+            lam = ridge * u.square().sum((1, 2)).double() / k
+            read = u.ne(0).any(1).any(0)
+            if read.all():
+                return self._fit_read(u, z, v0, lam, free_last)
+            v = v0.clone()
+            v[:, read], before, after = self._fit_read(u[..., read], z, v0[:, read], lam, free_last)
+            return v, before, after
+        self._flush()
+        lam = ridge * self._gram.diagonal(dim1=1, dim2=2).sum(1).double() / k
+        return _solve_normal_equations(self._gram, self._cross, self.target_sq, v0, lam, free_last, self.block)
 
-    def solve(self, v0: torch.Tensor, ridge: float, free_last: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """ `v = argmin |U v - Z|^2 + lambda |v - v0|^2`, `lambda = ridge * mean diag(U^T U)`, the last row free if
-        asked; returns `(v, U^T U v)`.
+    def _fit_read(self, u, z, v0, lam, free_last) -> Tuple[torch.Tensor, Fidelity, Fidelity]:
+        if u.shape[1] < u.shape[2]:
+            return _dual_fit(u, z, self.target_sq, v0, lam, free_last, self.block)
+        self._pending = [(u, z)]
+        self._flush()
+        return _solve_normal_equations(self._gram, self._cross, self.target_sq, v0, lam, free_last, self.block)
 
-        The system is symmetric positive definite (the ridge, and a free row's constant feature): Cholesky, at
-        half LU's cost. `U^T U v` comes from the normal equations themselves, `U^T Z + lambda (v0 - v)`.
-        """
-        k = self.gram.shape[-1]
-        penalty = torch.ones(k, dtype=self.gram.dtype, device=self.gram.device)
+
+
+@contextlib.contextmanager
+def _float32_highest():
+    """float32's own precision for the sums, whatever a training script set (TF32 or bf16 products would lose
+    three digits); restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision('highest')
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _blocks(k: int, block: int) -> List[slice]:
+    edges = list(range(0, k, block)) + [k]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _add_symmetric_product(out: torch.Tensor, a: torch.Tensor, block: int) -> None:
+    """`out += a a^T` (batched) on and above the diagonal, in blocks of `block` rows: the product is symmetric."""
+    blocks = _blocks(out.shape[-1], block)
+    for i, rows in enumerate(blocks):
+        for columns in blocks[i:]:
+            out[:, rows, columns].baddbmm_(a[:, rows], a[:, columns].transpose(1, 2))
+
+
+def _symmetric(upper: torch.Tensor, block: int) -> torch.Tensor:
+    """The float64 matrix whose blocks on and above the diagonal are `upper`'s (`_add_symmetric_product`)."""
+    full = upper.to(torch.float64, copy=True)
+    blocks = _blocks(full.shape[-1], block)
+    for i, rows in enumerate(blocks):
+        for columns in blocks[i + 1:]:
+            full[:, columns, rows] = full[:, rows, columns].transpose(1, 2)
+    return full
+
+
+def _fidelity(fit_sq: torch.Tensor, inner: torch.Tensor, target_sq: torch.Tensor) -> Fidelity:
+    """Relative error and cosine similarity of a fit to its target, from `|fit|^2`, `<fit, target>`, `|target|^2`."""
+    target_sq = target_sq.sum().clamp_min(1e-30)  # a zero target: a zero-initialised gain
+    fit_sq, inner = fit_sq.sum(), inner.sum()
+    err_sq = (fit_sq - 2 * inner + target_sq).clamp_min(0)
+    return (err_sq / target_sq).sqrt().item(), (inner / (fit_sq * target_sq).sqrt().clamp_min(1e-30)).item()
+
+
+def _ridge(lam: torch.Tensor, k: int, free_last: bool) -> torch.Tensor:
+    """The (groups, K) diagonal of the penalty: `lambda` per group, 0 on a free last row."""
+    penalty = torch.ones(k, dtype=torch.float64, device=lam.device)
+    if free_last:
+        penalty[-1] = 0
+    return lam.clamp_min(1e-12).view(-1, 1) * penalty
+
+
+def _cholesky_solve(system: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """Solve a symmetric positive (semi-)definite system: Cholesky, at half LU's cost; LU where it is not definite
+    (no row reached a free constant feature) and the system is solvable all the same."""
+    factor, info = torch.linalg.cholesky_ex(system)
+    if info.any():
+        return torch.linalg.solve(system, rhs)
+    return torch.cholesky_solve(rhs, factor)
+
+
+def _solve_normal_equations(gram_upper, cross, target_sq, v0, lam, free_last, block) -> Tuple[
+        torch.Tensor, Fidelity, Fidelity]:
+    """The fit from the sums: `(U^T U + diag(reg)) v = U^T Z + reg v0`; both errors from the sums alone."""
+    system = _symmetric(gram_upper, block)
+    cross = cross.double()
+    before = _fidelity(v0 * (system @ v0), v0 * cross, target_sq)
+    reg = _ridge(lam, system.shape[-1], free_last)
+    system.diagonal(dim1=1, dim2=2).add_(reg)
+    v = _cholesky_solve(system, cross + reg.unsqueeze(-1) * v0)
+    gram_v = cross + reg.unsqueeze(-1) * (v0 - v)  # U^T U v, from the normal equations themselves
+    return v, before, _fidelity(v * gram_v, v * cross, target_sq)
+
+
+def _dual_fit(u, z, target_sq, v0, lam, free_last, block) -> Tuple[torch.Tensor, Fidelity, Fidelity]:
+    """ The fit from fewer rows than features, on the rows' `n x n` products:
+    `v = v0 + U^T (U U^T + lambda I)^-1 (Z - U v0)`. A free last row (a constant feature) is the mean of what the
+    others leave of `Z`: the rest is fitted on centred rows.
+    """
+    def quality(v):
+        fit = u @ v.to(u.dtype)
+        return _fidelity(fit.double().square(), (fit * z).double(), target_sq)
+
+    with _float32_highest():
+        before = quality(v0)
+        a, w0, target = u, v0, z
         if free_last:
-            penalty[-1] = 0
-        lam = ridge * self.gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)           # per group
-        reg = lam.view(-1, 1) * penalty                                                      # (groups, K) diagonals
-        system = self.gram + torch.diag_embed(reg)
-        rhs = self.cross + reg.unsqueeze(-1) * v0
-        factor, info = torch.linalg.cholesky_ex(system)
-        if info.any():  # not positive definite (no samples reached a free row): LU solves it where it is solvable
-            v = torch.linalg.solve(system, rhs)
-        else:
-            v = torch.cholesky_solve(rhs, factor)
-        return v, self.cross + reg.unsqueeze(-1) * (v0 - v)
+            a, w0 = u[..., :-1], v0[:, :-1]
+            a_mean, z_mean = a.mean(1, keepdim=True), z.mean(1, keepdim=True)
+            a, target = a - a_mean, z - z_mean
+        residual = (target - a @ w0.to(a.dtype)).double()
+        products = a.new_zeros(a.shape[0], a.shape[1], a.shape[1])
+        _add_symmetric_product(products, a, block)
+        system = _symmetric(products, block)
+        system.diagonal(dim1=1, dim2=2).add_(lam.clamp_min(1e-12).view(-1, 1))
+        w = w0 + (a.transpose(1, 2) @ _cholesky_solve(system, residual).to(a.dtype)).double()
+        v = torch.cat([w, (z_mean - a_mean @ w.to(a.dtype)).double()], 1) if free_last else w
+        return v, before, quality(v)
+
+
+def _fit_order(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as (O, K), each row in the order of `_features`' patch features: (kh, kw, C) for a convolution."""
+    return weight.permute(0, 2, 3, 1).flatten(1) if weight.dim() == 4 else weight
+
+
+def _from_fit_order(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`_fit_order`'s inverse: (O, K) rows as a view shaped as `weight`."""
+    if weight.dim() != 4:
+        return rows
+    out, channels, kh, kw = weight.shape
+    return rows.view(out, kh, kw, channels).permute(0, 3, 1, 2)
 
 
 def _layer_params(layer: nn.Module, slot: Optional[PatchNormSlot]) -> torch.Tensor:
     """The current map as `v`: (groups, K (+1 bias) (+1 shift), out per group), the slot's gain folded in."""
-    w = layer.weight.detach().double()
     groups = getattr(layer, 'groups', 1)
-    w = w.flatten(1)                                                             # (O, K)
+    w = _fit_order(layer.weight.detach().double())                              # (O, K)
     cols = [w] + ([layer.bias.detach().double()[:, None]] if layer.bias is not None else [])
     v = torch.cat(cols, 1)
     if slot is not None:
@@ -532,7 +631,7 @@ def _set_layer_params(layer: nn.Module, slot: Optional[PatchNormSlot], v: torch.
             slot.weight.copy_(gain)
             slot.bias.copy_(shift)
         k = layer.weight[0].numel()
-        layer.weight.copy_(v[:, :k].view_as(layer.weight))
+        layer.weight.copy_(_from_fit_order(v[:, :k], layer.weight))
         if layer.bias is not None:
             layer.bias.copy_(v[:, k])
 
@@ -576,7 +675,7 @@ def convert_model(
         ridge: float = 1e-2,
         positions_per_batch: int = 2048,
         positions_per_unknown: Optional[float] = 32.,
-        analytic_batches: Optional[int] = 4,
+        analytic_batches: Optional[int] = 1,
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
         cache_dtype: Optional[torch.dtype] = None,
@@ -600,8 +699,10 @@ def convert_model(
             and `U^T U` costs positions x unknowns^2, which would dwarf the forward passes in a wide layer (None:
             `positions_per_batch` from every batch).
         analytic_batches: the first calibration batches the analytic map's top-1 agreement with the original is
-            measured on, in a forward pass of its own (None: all; 0: not measured). The calibrated model's is
-            measured on all of them, at no cost: the calibration walk computes its output.
+            measured on, in a forward pass of its own (None: all; 0: not measured). It is a diagnostic (how much
+            the calibration does), so by default one batch: with a few large images, more would cost a large part
+            of a forward pass. The calibrated model's agreement is measured on all of them, at no cost: the
+            calibration walk computes its output.
         device: where the forward passes run and the normal equations are accumulated (float32 products) and
             solved (float64): 'cpu', 'cuda', or 'auto'/None (CUDA when available).
         calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
@@ -702,18 +803,16 @@ def _fit_layer(name, layer, slot, target_path, walk, original, report, ridge, sa
     positions_per_batch = positions_per_batch_for(unknowns, len(walk.batches), *sampling)
     equations = _NormalEquations()
     for b in range(len(walk.batches)):
-        z = _as_channels(original.value(target, b), channels, conv)
+        out = original.value(target, b)
+        positions = out.numel() // channels
         keep = None
-        if len(z) > positions_per_batch:  # the draw, per batch in forward order, of the layer-by-layer fit
-            keep = torch.randperm(len(z), generator=generator)[:positions_per_batch].to(z.device)
-            z = z[keep]
+        if positions > positions_per_batch:  # the draw, per batch in forward order, of the layer-by-layer fit
+            keep = torch.randperm(positions, generator=generator)[:positions_per_batch].to(out.device)
+        z = _targets(out, channels, conv, keep)
         u = _features(layer, walk.value(node.args[0], b), keep, shift=slot is not None)
         z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)                      # (G, positions, out/G)
         equations.add(u, z)
-    v0 = _layer_params(layer, slot)
-    before = equations.fidelity(v0)
-    v, gram_v = equations.solve(v0, ridge, free_last=slot is not None)
-    after = equations.fidelity(v, gram_v)
+    v, before, after = equations.fit(_layer_params(layer, slot), ridge, free_last=slot is not None)
     _set_layer_params(layer, slot, v)
     report.layers.append(LayerFit(name, target_path, equations.count, *before, *after))
     _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')
