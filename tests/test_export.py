@@ -85,6 +85,36 @@ def test_torchscript_matches_eager(key):
             assert relative_error(scripted(x), model(x)) <= TOLERANCE
 
 
+def test_fused_slot_affine_is_visible_to_torchscript():
+    """A bound convolution applies its slot's affine under TorchScript as in eager, the slot being its submodule:
+    scripted on its own it gives the eager numbers and follows the slot. The slot stays the model's: one name per
+    parameter in `named_parameters`, `modules` and the state dict, which loads strictly into a fresh model."""
+    model = _model('resnet18-patchnorm')
+    block = model.layer1[0]
+    conv, slot = block.conv1, block.bn1
+    assert conv.fused_slot is slot
+    x = torch.randn(2, conv.in_channels, 8, 8)
+    scripted = torch.jit.script(conv)
+    with torch.no_grad():
+        assert relative_error(scripted(x), conv(x)) <= TOLERANCE
+        without = conv(x) - slot.bias.view(-1, 1, 1)
+        slot.bias.add_(1.)
+        assert relative_error(scripted(x), conv(x)) <= TOLERANCE
+        torch.testing.assert_close(conv(x) - slot.bias.view(-1, 1, 1), without)
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_modules()]
+    assert 'layer1.0.bn1.weight' in names and 'layer1.0.bn1' in names and not any('fused_slot' in n for n in names)
+    assert sum(m is slot for m in model.modules()) == 1
+    state = model.state_dict()
+    assert not any('fused_slot' in k for k in state)
+    fresh = _model('resnet18-patchnorm')
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        x = _batches(2)[0]
+        torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+        scripted_model = torch.jit.script(model)
+        assert relative_error(scripted_model(x), model(x)) <= TOLERANCE
+
+
 def test_scripted_model_trains_like_eager():
     """Under autograd the eager layers take their own autograd Functions, TorchScript plain ops: same gradients."""
     model = _model('convnext-conv_mlp-patchnorm').train()

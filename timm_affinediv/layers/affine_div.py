@@ -23,7 +23,7 @@ no `avg_pool2d(divisor_override=)` (which the dynamo ONNX exporter drops without
 
 Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026.
 """
-from typing import Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -321,32 +321,55 @@ class _DepthwisePatchNormFn(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, grad_post_bias, None, None, None, None, None
 
 
+def _drop_fused_slot_keys(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """A layer's state dict without its fused slot's entries: they are the slot's, under the slot's own name."""
+    for key in [k for k in state_dict if k.startswith(prefix + 'fused_slot.')]:
+        del state_dict[key]
+    getattr(state_dict, '_metadata', {}).pop(prefix + 'fused_slot', None)
+
+
+def _ignore_fused_slot_keys(module: nn.Module, incompatible_keys: Any) -> None:
+    """Loading a state dict: the fused slot's entries are expected under the slot's own name, not the layer's."""
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if '.fused_slot.' not in k and not k.startswith('fused_slot.')]
+
+
 class _DivergenceCorrected:
     """ What AffineDivLinear and PatchNormConv2d share: the scaling, and a fused per-channel affine.
 
-    A bound `patchnorm` slot right after the layer hands its per-channel `weight`/`bias` to the layer
-    (`fuse_post_affine`), which then computes `slot.weight * z + slot.bias` in the same pass as the
-    division by `s` (the slot's parameters stay the slot's; the slot passes its input through).
+    A bound `patchnorm` slot right after the layer becomes the layer's submodule `fused_slot`
+    (`fuse_post_affine`), and the layer computes `slot.weight * z + slot.bias` in the same pass as the division
+    by `s`: TorchScript, torch.export and the ONNX exporters see the slot as any submodule, so scripted and
+    eager layers apply the affine in the same place. The slot stays the model's where the model has it: the
+    layer's `named_modules` (so `modules`, `named_parameters`, `parameters`) does not descend into it, and its
+    state dict leaves it out, so every parameter keeps its one name (`bn1.weight`, not `conv1.fused_slot.weight`).
     """
-    _post_affine = None
+
+    def _init_fusion(self) -> None:
+        self.fused_slot = None
+        self.register_state_dict_post_hook(_drop_fused_slot_keys)
+        self.register_load_state_dict_post_hook(_ignore_fused_slot_keys)
 
     def fuse_post_affine(self, slot: Optional[nn.Module]) -> None:
         """Apply `slot`'s per-channel affine after the division (None: stop applying one)."""
-        # a plain attribute, not a submodule: the slot's parameters stay where the model has them
-        object.__setattr__(self, '_post_affine', slot)
+        self.fused_slot = slot
+
+    def named_modules(self, memo: Optional[set] = None, prefix: str = '', remove_duplicate: bool = True):
+        """The layer alone: a fused slot is listed where the model has it."""
+        if memo is None:
+            memo = set()
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
 
     def _fused_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in.
-
-        TorchScript cannot reach the slot from here: a scripted slot applies its affine itself.
-        """
-        if torch.jit.is_scripting():
-            return self.weight, self.bias, None
-        weight, bias, slot = self.weight, self.bias, self._post_affine
+        """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in."""
+        weight, bias, slot = self.weight, self.bias, self.fused_slot
         if slot is None:
             return weight, bias, None
         gain = slot.weight.to(weight.dtype)
-        weight = weight * gain.view((-1,) + (1,) * (weight.dim() - 1))
+        weight = weight * gain.view([-1] + [1] * (weight.dim() - 1))
         return weight, None if bias is None else bias * gain, slot.bias.to(weight.dtype)
 
     def _scale_output(self, y: torch.Tensor, inv_s: torch.Tensor, post_bias: Optional[torch.Tensor],
@@ -402,6 +425,7 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.scale = _check_scale(scale)
         self.eps = eps
+        self._init_fusion()
 
     @property
     def divergence_constant(self) -> int:
@@ -481,6 +505,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
         self.scale = _check_scale(scale)
         self.eps = eps
+        self._init_fusion()
 
     @property
     def divergence_constant(self) -> int:

@@ -86,8 +86,7 @@ class PatchNormSlot(nn.Module):
             raise ValueError(
                 f"the norm slot expects {self.num_features} channels in dim {self.channel_dim}, "
                 f"got shape {list(x.shape)}")
-        # a scripted producer cannot reach the slot's parameters, so it leaves the affine to the slot
-        if self.fused and not torch.jit.is_scripting():
+        if self.fused:  # the producer applied this affine, in the pass that divided by s
             return x
         if not self.bound:
             x = l2_normalise(x, self.channel_dim, 'rms', self.eps)
