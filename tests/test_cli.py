@@ -149,3 +149,16 @@ def test_convert_to_folder_refuses_negative_sizes(tmp_path):
     with pytest.raises(ConversionError, match='calib_batches must be >= 0'):
         convert_to_folder(timm.create_model('test_resnet'), str(tmp_path / 'out'), calib_batches=-1)
     assert not (tmp_path / 'out').exists()
+
+
+def test_bench_convert_prints_paired_ratios(capsys):
+    """The conversion benchmark's table: forward pass, conversion and their ratio, from paired rounds."""
+    assert main(['bench-convert', '--models', 'resnet18', '--settings', 'synthetic-224', '--batches', '1', '1',
+                 '--batch-size', '2', '2', '--reps', '2', '--device', 'cpu']) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| resnet18 |')]
+    assert len(row) == 1
+    cells = [c.strip() for c in row[0].strip('|').split('|')]
+    forward, seconds, ratio = float(cells[3]), float(cells[4]), float(cells[5])
+    assert forward > 0 and seconds > forward and ratio > 1
+    low, high = (float(v) for v in cells[6].split(' to '))
+    assert low <= ratio <= high

@@ -4,8 +4,10 @@ calibration set, for full-width models (random weights: the cost does not depend
     timm-affinediv bench-convert                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
     timm-affinediv bench-convert --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
-Prints a markdown table: calibration set, one forward pass (s, the median of three), conversion (s), ratio. Run
-on an idle machine: both times are measured in the same run, side by side, so the ratio is what to compare.
+Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Each is the median of
+`--reps` paired rounds, a round timing one forward pass and one conversion next to each other (in alternate
+order), so that both see the same machine state; the ratio is the median of the rounds' ratios, and their range
+shows how much the machine moved them. Run on an idle machine.
 """
 import statistics
 import sys
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
                         help='calibration batches at 224 and at 32 (default 8 and 32)')
     parser.add_argument('--batch-size', type=positive_int, nargs=2, default=(8, 64), metavar=('AT_224', 'AT_32'))
     parser.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'))
+    parser.add_argument('--reps', type=positive_int, default=3, help='paired rounds per model and setting')
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     rows = []
@@ -61,19 +64,29 @@ def main(argv=None) -> int:
             model = timm.create_model(name, **kwargs).eval()
             batches = calibration_set(setting, args.batches[i], args.batch_size[i], model)
             forward_seconds(model, batches[:1], device)  # warm-up
-            # the median of three passes: a single pass's time varies by a fifth from run to run here
-            forward = statistics.median(forward_seconds(model, batches, device) for _ in range(3))
-            model.cpu()
-            start = time.perf_counter()
-            convert_model(model, calibration=batches, device=str(device))
-            seconds = time.perf_counter() - start
-            rows.append((name, setting, f'{len(batches)} x {batches[0].shape[0]}', forward, seconds))
-            print(f'{name} {setting}: forward {forward:.1f} s, conversion {seconds:.1f} s, '
-                  f'ratio {seconds / forward:.1f}', flush=True)
-    print(f'\n| model | data | calibration batches | one forward pass s | conversion s | ratio |  ({device})')
-    print('|---|---|---|---:|---:|---:|')
-    for name, setting, calib, forward, seconds in rows:
-        print(f'| {name} | {setting} | {calib} | {forward:.1f} | {seconds:.1f} | {seconds / forward:.1f} |')
+            rounds = []
+            for r in range(args.reps):
+                # a single forward pass's time varies by a fifth from run to run here: the pair, side by side
+                timings = [None, None]
+                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    if which == 0:
+                        timings[0] = forward_seconds(model, batches, device)
+                        model.cpu()
+                    else:
+                        start = time.perf_counter()
+                        convert_model(model, calibration=batches, device=str(device))
+                        timings[1] = time.perf_counter() - start
+                rounds.append((timings[0], timings[1], timings[1] / timings[0]))
+            forward, seconds, ratio = (statistics.median(column) for column in zip(*rounds))
+            spread = f'{min(r[2] for r in rounds):.1f} to {max(r[2] for r in rounds):.1f}'
+            rows.append((name, setting, f'{len(batches)} x {batches[0].shape[0]}', forward, seconds, ratio, spread))
+            print(f'{name} {setting}: forward {forward:.1f} s, conversion {seconds:.1f} s, ratio {ratio:.1f} '
+                  f'({spread})', flush=True)
+    print(f'\n| model | data | calibration batches | one forward pass s | conversion s | ratio | rounds |  ({device}, '
+          f'{args.reps} rounds)')
+    print('|---|---|---|---:|---:|---:|---:|')
+    for name, setting, calib, forward, seconds, ratio, spread in rows:
+        print(f'| {name} | {setting} | {calib} | {forward:.2f} | {seconds:.2f} | {ratio:.1f} | {spread} |')
     return 0
 
 
