@@ -588,7 +588,7 @@ def _dual_fit(u, z, target_sq, v0, lam, free_last, block) -> Tuple[torch.Tensor,
         products = a.new_zeros(a.shape[0], a.shape[1], a.shape[1])
         _add_symmetric_product(products, a, block)
         system = _symmetric(products, block)
-        system.diagonal(dim1=1, dim2=2).add_(lam.clamp_min(1e-12).view(-1, 1))
+        system.diagonal(dim1=1, dim2=2).add_(_ridge(lam, system.shape[-1], free_last=False))
         w = w0 + (a.transpose(1, 2) @ _cholesky_solve(system, residual).to(a.dtype)).double()
         v = torch.cat([w, (z_mean - a_mean @ w.to(a.dtype)).double()], 1) if free_last else w
         return v, before, quality(v)

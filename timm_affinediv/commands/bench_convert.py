@@ -44,6 +44,13 @@ def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device)
         return time.perf_counter() - start
 
 
+def conversion_seconds(model: torch.nn.Module, batches: list, device: torch.device) -> float:
+    model.cpu()
+    start = time.perf_counter()
+    convert_model(model, calibration=batches, device=str(device))
+    return time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     parser = command_parser('bench-convert', __doc__)
     parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
@@ -66,17 +73,14 @@ def main(argv=None) -> int:
             forward_seconds(model, batches[:1], device)  # warm-up
             rounds = []
             for r in range(args.reps):
-                # a single forward pass's time varies by a fifth from run to run here: the pair, side by side
-                timings = [None, None]
-                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    if which == 0:
-                        timings[0] = forward_seconds(model, batches, device)
-                        model.cpu()
-                    else:
-                        start = time.perf_counter()
-                        convert_model(model, calibration=batches, device=str(device))
-                        timings[1] = time.perf_counter() - start
-                rounds.append((timings[0], timings[1], timings[1] / timings[0]))
+                # side by side, in alternate order: a single forward pass's time varies by a fifth here
+                if r % 2:
+                    seconds = conversion_seconds(model, batches, device)
+                    forward = forward_seconds(model, batches, device)
+                else:
+                    forward = forward_seconds(model, batches, device)
+                    seconds = conversion_seconds(model, batches, device)
+                rounds.append((forward, seconds, seconds / forward))
             forward, seconds, ratio = (statistics.median(column) for column in zip(*rounds))
             spread = f'{min(r[2] for r in rounds):.1f} to {max(r[2] for r in rounds):.1f}'
             rows.append((name, setting, f'{len(batches)} x {batches[0].shape[0]}', forward, seconds, ratio, spread))
