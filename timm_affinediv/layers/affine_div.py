@@ -355,13 +355,17 @@ class _DivergenceCorrected:
         self.fused_slot = slot
 
     def named_modules(self, memo: Optional[set] = None, prefix: str = '', remove_duplicate: bool = True):
-        """The layer alone: a fused slot is listed where the model has it."""
+        """`nn.Module.named_modules` without the fused slot: it is listed where the model has it."""
         if memo is None:
             memo = set()
-        if self not in memo:
-            if remove_duplicate:
-                memo.add(self)
-            yield prefix, self
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        for name, module in self._modules.items():
+            if module is not None and name != 'fused_slot':
+                yield from module.named_modules(memo, f'{prefix}.{name}' if prefix else name, remove_duplicate)
 
     def _fused_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in."""
