@@ -4,7 +4,8 @@ Every command (`timm_affinediv.commands`) parses its flags with `ArgumentParser`
 input stops before any work with one line (`timm-affinediv finetune: error: argument --train-subset: -1 is not a
 positive integer`) and exit status 2, and runs its `main` through `run_main`, which turns the package's user-facing
 errors (a checkpoint that does not fit, a folder that is not a Hub folder, data that is missing, ...) into one line
-on stderr and exit status 2 instead of a traceback. `refuse_existing_output` is the one check that a command would overwrite earlier results.
+on stderr and exit status 2 instead of a traceback. `refuse_existing_output` is the one check that a command would
+overwrite earlier results.
 """
 import argparse
 import sys

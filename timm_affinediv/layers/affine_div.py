@@ -397,7 +397,6 @@ class _DivergenceCorrected:
         return y.flatten(channel_dim, channel_dim + 1) if grouped else y
 
     @torch.jit.unused
-
     def _wide_linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      post_bias: Optional[torch.Tensor]) -> torch.Tensor:
         """`(W x + b) / s(x) (+ post_bias)` for every row `x` of a matrix, divided on the input side."""
