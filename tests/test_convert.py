@@ -161,7 +161,7 @@ def _unfold_features(layer, x):
 ])
 def test_features_are_the_patches_at_the_kept_positions(conv, channels_last):
     """The gathered features against the full im2col, at sampled positions, in the weight's fit order."""
-    from timm_affinediv.convert import _features, _fit_order, _from_fit_order
+    from timm_affinediv.convert.features import fit_order, from_fit_order, patch_features
     torch.manual_seed(0)
     layer = PatchNormConv2d(6, 6, **conv).double()
     x = torch.randn(3, 6, 9, 8, dtype=torch.float64)
@@ -169,27 +169,29 @@ def test_features_are_the_patches_at_the_kept_positions(conv, channels_last):
         x = x.contiguous(memory_format=torch.channels_last)
     reference = _unfold_features(layer, x)
     keep = torch.randperm(reference.shape[1])[:17]
-    u = _features(layer, x, keep, shift=True)
+    u = patch_features(layer, x, keep, shift=True)
     torch.testing.assert_close(u[..., :-1], reference[:, keep], rtol=1e-12, atol=1e-12)
     assert (u[..., -1] == 1).all()
-    torch.testing.assert_close(_features(layer, x, None), reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(patch_features(layer, x, None), reference, rtol=1e-12, atol=1e-12)
     # the features' order is the weight's fit order: the layer's output is u . (W, b)
-    w = _fit_order(layer.weight).unflatten(0, (layer.groups, -1)).transpose(1, 2)   # (G, K, O/G)
+    w = fit_order(layer.weight).unflatten(0, (layer.groups, -1)).transpose(1, 2)   # (G, K, O/G)
     out = layer(x).unflatten(1, (layer.groups, -1)).permute(1, 0, 3, 4, 2).flatten(1, 3)  # (G, P, O/G)
     fit = reference[..., :w.shape[1]] @ w
     if layer.bias is not None:
         fit = fit + reference[..., -1:] * layer.bias.view(layer.groups, 1, -1)
     torch.testing.assert_close(fit, out, rtol=1e-10, atol=1e-10)
-    assert _from_fit_order(_fit_order(layer.weight), layer.weight).equal(layer.weight)
+    assert from_fit_order(fit_order(layer.weight), layer.weight).equal(layer.weight)
 
 
 def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
     """The layer-by-layer fit as it was: every layer reruns both prefixes on every batch (layers x batches)."""
-    from timm_affinediv.convert import (_NormalEquations, _carry_weights, _targets, _check_norms,
-                                        _layer_params, _set_layer_params, build_converted)
+    from timm_affinediv.convert import build_converted
+    from timm_affinediv.convert.features import layer_params, output_targets, set_layer_params
+    from timm_affinediv.convert.rebuild import carry_weights, check_norms
+    from timm_affinediv.convert.solver import NormalEquations
     from timm_affinediv.layers.slot import PatchNormSlot
     converted = build_converted(model).eval()
-    _carry_weights(model, converted, _check_norms(model, converted))
+    carry_weights(model, converted, check_norms(model, converted))
     order = []
     handles = [m.register_forward_pre_hook(lambda mod, args, name=name: order.append((name, mod)))
                for name, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
@@ -206,10 +208,10 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
     for name, layer in order:
         slot = slots.get(name)
         target = slot_paths[id(slot)] if slot is not None else name
-        equations = _NormalEquations()
+        equations = NormalEquations()
         for x in batches:
             u = _unfold_features(layer, _capture(converted, layer, x, 'input'))
-            z = _targets(_capture(model, original[target], x, 'output'), layer.weight.shape[0],
+            z = output_targets(_capture(model, original[target], x, 'output'), layer.weight.shape[0],
                          isinstance(layer, PatchNormConv2d), None)
             z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)
             if slot is not None:
@@ -218,9 +220,9 @@ def _reference_convert(model, batches, positions_per_batch, ridge=1e-2, seed=0):
                 keep = torch.randperm(u.shape[1], generator=generator)[:positions_per_batch]
                 u, z = u[:, keep], z[:, keep]
             equations.add(u, z)
-        v, _, after = equations.fit(_layer_params(layer, slot), ridge, free_last=slot is not None)
+        v, _, after = equations.fit(layer_params(layer, slot), ridge, free_last=slot is not None)
         errors.append(after[0])
-        _set_layer_params(layer, slot, v)
+        set_layer_params(layer, slot, v)
     return converted, errors
 
 
@@ -331,7 +333,7 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
 
 
 def _closed_form_fit(u, z, v0, ridge, free_last):
-    """The float64 ridge fit of `_NormalEquations.fit`, from its definition."""
+    """The float64 ridge fit of `NormalEquations.fit`, from its definition."""
     gram = u.transpose(1, 2) @ u
     penalty = torch.ones(u.shape[-1], dtype=torch.float64)
     if free_last:
@@ -349,7 +351,7 @@ def _closed_form_fit(u, z, v0, ridge, free_last):
 def test_normal_equations_are_the_least_squares_fit(rows, block, free_last):
     """The float32 sums (or row products) and the float64 solve against the float64 closed form, with features
     no row reaches (a tap reading only padding) among them."""
-    from timm_affinediv.convert import _NormalEquations
+    from timm_affinediv.convert.solver import NormalEquations
     generator = torch.Generator().manual_seed(0)
     us = [torch.randn(2, n, 20, generator=generator) for n in rows]
     for u in us:
@@ -357,7 +359,7 @@ def test_normal_equations_are_the_least_squares_fit(rows, block, free_last):
     if free_last:
         us = [torch.cat([u, torch.ones_like(u[..., :1])], -1) for u in us]       # a free constant column last
     zs = [torch.randn(2, u.shape[1], 4, generator=generator) for u in us]
-    equations = _NormalEquations(pool_rows=32, block=block)
+    equations = NormalEquations(pool_rows=32, block=block)
     k = us[0].shape[-1]
     v0 = torch.randn(2, k, 4, generator=generator, dtype=torch.float64)
     previous = torch.get_float32_matmul_precision()

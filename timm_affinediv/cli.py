@@ -8,18 +8,15 @@ on stderr and exit status 2 instead of a traceback. `refuse_existing_output` is 
 overwrite earlier results.
 """
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import timm
-from timm.layers import create_norm, create_norm_act
 
-from .layers.binding import SlotLayoutError
-from .convert import ConversionError
-from .data import DataError
-from .hub import HubError
-from .train import TrainingError
+from . import _timm_compat as compat
+from .errors import AffineDivError
 
 __all__ = [
     'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
@@ -27,9 +24,10 @@ __all__ = [
     'model_name',
     'refuse_existing_output', 'run_main']
 
-#: Errors that report bad input (arguments, files, data), not a bug: one line and exit status 2, no traceback.
-USER_ERRORS = (
-    ConversionError, DataError, HubError, TrainingError, SlotLayoutError, FileExistsError, FileNotFoundError)
+#: Errors that report bad input (arguments, files, data), not a bug: one line and exit status 2, no traceback
+#: (`TIMM_AFFINEDIV_DEBUG=1` shows the traceback instead).
+USER_ERRORS = (AffineDivError, FileExistsError, FileNotFoundError)
+DEBUG_ENV = 'TIMM_AFFINEDIV_DEBUG'
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -89,7 +87,7 @@ def data_source(*names: str) -> Callable[[str], str]:
 
 def norm_names() -> List[str]:
     """The norm layer names timm's factories know (timm's own and those `import timm_affinediv` registers)."""
-    return sorted(set(create_norm._NORM_MAP) | set(create_norm_act._NORM_ACT_MAP))
+    return sorted(set(compat.NORM_MAP) | set(compat.NORM_ACT_MAP))
 
 
 def norm_name(text: str) -> str:
@@ -141,10 +139,13 @@ def refuse_existing_output(path: str | Path, flag: str = '--overwrite', names: O
 def run_main(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None,
              prog: Optional[str] = None) -> int:
     """Run a command's `main`; a user-facing error becomes `<prog>: error: <message>` on stderr and status 2
-    (`prog` defaults to the name of `main`'s file)."""
+    (`prog` defaults to the name of `main`'s file); with `TIMM_AFFINEDIV_DEBUG=1` the error propagates, traceback
+    and all."""
     try:
         return main(argv)
     except USER_ERRORS as e:
+        if os.environ.get(DEBUG_ENV, '') not in ('', '0'):
+            raise
         message = ' '.join(str(e).split())  # one line: some messages span several
         print(f'{prog or Path(main.__code__.co_filename).name}: error: {message}', file=sys.stderr)
         return 2

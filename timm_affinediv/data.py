@@ -17,6 +17,8 @@ from PIL import Image
 from timm.data import create_dataset, create_transform, resolve_data_config
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
+from .errors import DataError
+
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
     'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes',
@@ -36,10 +38,6 @@ _FASHION_MNIST_FILES = {
 _TRAIN_SPLITS = ('train', 'training')
 _EVAL_SPLITS = ('test', 'val', 'validation', 'eval', 'evaluation')
 _IDX_DTYPES = {0x08: np.uint8}
-
-
-class DataError(RuntimeError):
-    """A dataset that cannot be used: missing, empty, malformed or unreadable."""
 
 
 class FashionMNIST(Dataset):

@@ -18,13 +18,11 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from .errors import ExportError
+
 __all__ = ['ExportError', 'export_onnx', 'validate_onnx', 'relative_error']
 
 DEFAULT_OPSET = 18
-
-
-class ExportError(RuntimeError):
-    """An export failed, or the exported model does not compute the eager model's numbers."""
 
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:

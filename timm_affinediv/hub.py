@@ -34,9 +34,10 @@ from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardD
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
 from timm.models import model_entrypoint, register_model, save_for_hf
-from timm.models._input import get_model_input_config
 from torch import nn
 
+from ._timm_compat import get_model_input_config
+from .errors import HubError
 from .layers.binding import fake_eval
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
@@ -64,10 +65,6 @@ PLOT_NAME = 'metrics.png'
 SOURCE_CFG_KEYS = ('tag', 'paper_ids', 'paper_name', 'notes', 'origin_url', 'hf_hub_id', 'hf_hub_filename', 'url',
                    'file', 'source')
 _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
-
-
-class HubError(Exception):
-    """A Hub folder, repo id or upload that cannot go ahead; the message says what to do."""
 
 
 @register_model

@@ -9,9 +9,10 @@ from typing import Any, Dict, Optional, Tuple
 import timm
 import torch
 import torch.nn as nn
-from timm.models._input import get_model_args
 
+from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
+from .errors import CheckpointError, MissingFileError
 from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
 from .hub import model_card_template, save_hub_folder
 from .train import evaluate
@@ -27,7 +28,9 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     `pretrained=True` (timm's pretrained weights for it, e.g. `resnet50.a1_in1k`), or a timm model name whose
     weights come from `checkpoint` (safetensors, or a timm/PyTorch checkpoint); `kwargs` go to
     `timm.create_model` (e.g. `num_classes`, `in_chans`, architecture arguments). Weights that cannot be
-    loaded raise `ConversionError`: never a randomly initialised model.
+    loaded raise an error, never a randomly initialised model: `MissingFileError` (a `FileNotFoundError`) for a
+    checkpoint that does not exist, `CheckpointError` for one that is unreadable or does not fit, `ConversionError`
+    for a model that cannot be created or fetched.
     """
     if model.startswith(('hf-hub:', 'local-dir:')) or pretrained:
         if checkpoint:
@@ -50,16 +53,16 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
         raise ConversionError(f"'{model}' needs its trained weights: pass --checkpoint FILE (or --pretrained "
                               "for timm's own).")
     if not Path(checkpoint).is_file():
-        raise ConversionError(f'checkpoint {checkpoint} not found.')
+        raise MissingFileError(f'checkpoint {checkpoint} not found: pass the path of an existing file.')
     net = timm.create_model(model, **kwargs)
     try:
         timm.models.load_checkpoint(net, checkpoint, strict=True)
     except RuntimeError as e:
-        raise ConversionError(
+        raise CheckpointError(
             f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {e}\n'
             'Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).') from e
     except Exception as e:  # not a checkpoint at all, truncated, ...
-        raise ConversionError(f'checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}).') from e
+        raise CheckpointError(f'checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}).') from e
     return net.eval()
 
 

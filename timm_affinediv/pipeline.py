@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch.nn as nn
-from timm.models._input import get_model_args
 
+from ._timm_compat import get_model_args
 from .cli import refuse_existing_output
 from .data import is_fashion_mnist
 from .hub import PLOT_NAME, model_card_template, save_hub_folder

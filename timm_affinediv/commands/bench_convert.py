@@ -17,7 +17,8 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.convert import convert_model, resolve_device
+from timm_affinediv.convert import convert_model
+from timm_affinediv.device import resolve_device
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser

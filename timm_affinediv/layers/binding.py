@@ -28,8 +28,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from timm.layers import get_notrace_functions, get_notrace_modules
-from timm.models._input import get_model_input_config
 
+from ..errors import SlotLayoutError
+from .._timm_compat import get_model_input_config
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .slot import PatchNormSlot, SlotBinding
 
@@ -41,10 +42,6 @@ _AFFINE_TYPES = (nn.Conv2d, nn.Linear)
 _LAYOUT_MODULES = (nn.Identity, nn.Dropout, nn.Flatten)
 _LAYOUT_METHODS = {'permute', 'reshape', 'view', 'flatten', 'contiguous'}
 _LAYOUT_FUNCTIONS = {'permute', 'reshape', 'flatten', 'dropout'}
-
-
-class SlotLayoutError(ValueError):
-    """A `patchnorm` slot whose input does not hold its channels where it normalises them (token layouts)."""
 
 
 class _BindingTracer(fx.Tracer):

@@ -13,11 +13,7 @@ Idempotent.
 """
 import functools
 
-import timm.layers.create_norm as create_norm
-import timm.layers.create_norm_act as create_norm_act
-import timm.models._builder as builder
-import timm.models.convnext as convnext
-
+from .. import _timm_compat as compat
 from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
 from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
@@ -54,19 +50,13 @@ def _binding_init_model_traits(init_model_traits):
 
 def register() -> None:
     """Register the layers with timm's factories and bind `patchnorm` slots in `create_model`."""
-    _add_entries(create_norm._NORM_MAP, NORM_LAYERS, 'norm factory')
-    create_norm._NORM_TYPES.update(NORM_LAYERS.values())
-    _add_entries(create_norm_act._NORM_ACT_MAP, NORM_ACT_LAYERS, 'norm-act factory')
-    create_norm_act._NORM_ACT_TYPES.update(NORM_ACT_LAYERS.values())
-    create_norm_act._NORM_ACT_REQUIRES_ARG.update(NORM_ACT_LAYERS.values())
+    _add_entries(compat.NORM_MAP, NORM_LAYERS, 'norm factory')
+    compat.NORM_TYPES.update(NORM_LAYERS.values())
+    _add_entries(compat.NORM_ACT_MAP, NORM_ACT_LAYERS, 'norm-act factory')
+    compat.NORM_ACT_TYPES.update(NORM_ACT_LAYERS.values())
+    compat.NORM_ACT_REQUIRES_ARG.update(NORM_ACT_LAYERS.values())
     # the norm-act factory maps a norm class to its norm-act twin by the class name
-    _add_entries(create_norm_act._NORM_TO_NORM_ACT_MAP,
+    _add_entries(compat.NORM_TO_NORM_ACT_MAP,
                  dict(patchnorm2d=PatchNormAct2d, affinedivnorm2d=AffineDivNormAct2d), 'norm-act factory')
-    _add_entries(convnext._NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
-
-    if not hasattr(builder, '_init_model_traits'):
-        raise ImportError(
-            "timm_affinediv binds patchnorm slots inside timm's model builder, which this timm "
-            f"({getattr(__import__('timm'), '__version__', '?')}) lacks: install timm>=1.0.31,<1.1")
-    if not getattr(builder._init_model_traits, 'binds_patchnorm', False):
-        builder._init_model_traits = _binding_init_model_traits(builder._init_model_traits)
+    _add_entries(compat.CONVNEXT_NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
+    compat.wrap_init_model_traits(_binding_init_model_traits, marker='binds_patchnorm')

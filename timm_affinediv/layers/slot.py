@@ -22,9 +22,9 @@ from typing import Any, Dict, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 from timm.layers import register_notrace_module
-from timm.layers.norm_act import _create_act
 from timm.layers.typing import LayerType
 
+from .._timm_compat import create_act
 from .affine_div import _check_scale
 from .norm import channel_affine, l2_normalise
 
@@ -149,7 +149,7 @@ class PatchNormAct2d(PatchNorm2d):
     ):
         super().__init__(num_features, eps=eps, scale=scale, device=device, dtype=dtype)
         self.drop = drop_layer() if drop_layer is not None else nn.Identity()
-        self.act = _create_act(act_layer, act_kwargs=act_kwargs, inplace=inplace, apply_act=apply_act)
+        self.act = create_act(act_layer, act_kwargs=act_kwargs, inplace=inplace, apply_act=apply_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(self.slot_forward(x)))

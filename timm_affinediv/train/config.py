@@ -5,26 +5,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..errors import CheckpointError, ConfigError, NonFiniteLossError, TrainingError
+
 __all__ = ['TrainConfig', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError', 'NonFiniteLossError',
            'TrainingInterrupted', 'AMP_DTYPES']
 
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
-
-
-class TrainingError(RuntimeError):
-    """Base class of the errors a training run reports to its user."""
-
-
-class ConfigError(TrainingError, ValueError):
-    """Settings that cannot work together (e.g. a head whose class count does not match the dataset)."""
-
-
-class CheckpointError(TrainingError):
-    """A checkpoint that cannot be read, or was written for another model or run."""
-
-
-class NonFiniteLossError(TrainingError):
-    """The training loss became NaN or infinite; the last good checkpoint is left as it was."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -1,0 +1,268 @@
+""" The conversion's entry point: `convert_model`, its options and its report (see the package docstring) """
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..device import resolve_device
+from ..errors import ConversionError
+from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
+from ..layers.slot import PatchNormSlot
+from .features import layer_params, output_targets, patch_features, set_layer_params
+from .graph import ActivationCache, GraphWalk, trace
+from .rebuild import architecture, build_converted, carry_weights, check_norms, model_in_chans
+from .solver import NormalEquations
+
+__all__ = ['convert_model', 'ConversionReport', 'LayerFit', 'CalibrationOptions', 'positions_per_batch_for']
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationOptions:
+    """ How the corrected layers are fitted to the original (`convert_model`'s keyword arguments of the same names).
+
+    Args:
+        ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the normal equations.
+        positions_per_batch: output positions sampled per batch and layer for the fit, at most.
+        positions_per_unknown: at most this many sampled positions per unknown of a layer's fit, over all batches
+            (None: `positions_per_batch` from every batch).
+        analytic_batches: the first calibration batches the analytic map's top-1 agreement is measured on
+            (None: all; 0: not measured).
+        calib_memory: bytes of activations kept between two steps of the calibration walk; beyond, they spill to disk.
+        cache_dtype: the dtype those activations are kept in (None: as computed).
+        progress: show a progress bar.
+        seed: seed of the positions' draw.
+    """
+    ridge: float = 1e-2
+    positions_per_batch: int = 2048
+    positions_per_unknown: Optional[float] = 32.
+    analytic_batches: Optional[int] = 1
+    calib_memory: int = 4 << 30
+    cache_dtype: Optional[torch.dtype] = None
+    progress: bool = False
+    seed: int = 0
+
+
+@dataclass
+@dataclass
+class LayerFit:
+    """How well one corrected layer reproduces the original at `target`, before and after fitting."""
+    layer: str
+    target: str
+    positions: int
+    rel_err_before: float
+    cos_before: float
+    rel_err_after: float
+    cos_after: float
+
+
+@dataclass
+class ConversionReport:
+    architecture: str
+    norm: str
+    calibration_batches: int
+    calibration_images: int
+    seconds: float
+    top1_agreement_analytic: Optional[float] = None
+    analytic_images: int = 0
+    top1_agreement_calibrated: Optional[float] = None
+    layers: List[LayerFit] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def format_table(self) -> str:
+        """The per-layer fidelity as a markdown table, then the whole-model agreement."""
+        lines = ['| layer | target | rel. err before | cos before | rel. err after | cos after |',
+                 '|---|---|---:|---:|---:|---:|']
+        lines += [f'| {f.layer} | {f.target} | {f.rel_err_before:.4f} | {f.cos_before:.4f} | '
+                  f'{f.rel_err_after:.4f} | {f.cos_after:.4f} |' for f in self.layers]
+        lines.append('')
+        if self.top1_agreement_analytic is not None:
+            lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}% '
+                         f'(first {self.analytic_images} images)'
+                         + ('' if self.top1_agreement_calibrated is None else
+                            f', calibrated {100 * self.top1_agreement_calibrated:.2f}%'))
+        lines.append(f'{self.architecture} -> {self.norm}, {self.calibration_batches} calibration batches '
+                     f'({self.calibration_images} images), {self.seconds:.1f} s')
+        return '\n'.join(lines)
+
+
+def _images(batch) -> torch.Tensor:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _check_batch(images, in_chans: int) -> None:
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != in_chans:
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ConversionError(
+            f'calibration batches must be image tensors (N, {in_chans}, H, W) (or (images, labels) pairs), '
+            f'got {shape}: use data with {in_chans} channel(s) and the size the model was trained at')
+
+
+def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
+    """Top-1 agreement over the batches both lists have (`other` may cover only the first ones)."""
+    pairs = list(zip(logits, other))
+    return sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in pairs) / sum(len(a) for a, _ in pairs)
+
+
+def convert_model(
+        model: nn.Module,
+        norm: str = 'patchnorm',
+        calibration: Optional[Iterable] = None,
+        *,
+        ridge: float = 1e-2,
+        positions_per_batch: int = 2048,
+        positions_per_unknown: Optional[float] = 32.,
+        analytic_batches: Optional[int] = 1,
+        device: Optional[str] = None,
+        calib_memory: int = 4 << 30,
+        cache_dtype: Optional[torch.dtype] = None,
+        progress: bool = False,
+        seed: int = 0,
+        **model_kwargs,
+) -> Tuple[nn.Module, ConversionReport]:
+    """ Rebuild `model` (a BatchNorm/LayerNorm timm model) with `norm` ("patchnorm" or "affinediv").
+
+    Args:
+        model: the trained timm model; it is not modified (it is moved to `device` and back).
+        norm: "patchnorm" (norm slots bound to their convolutions), or "affinediv" (every Conv2d/Linear
+            divergence corrected, the slots only affine).
+        calibration: an iterable of image batches (or (images, labels) pairs). Without it, the
+            analytic map only.
+        ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the
+            normal equations.
+        positions_per_batch: output positions sampled per batch and layer for the fit, at most.
+        positions_per_unknown: at most this many sampled positions per unknown of a layer's fit (its fan-in, plus
+            the bias and the slot's shift), over all batches: a least-squares fit needs a multiple of its unknowns,
+            and `U^T U` costs positions x unknowns^2, which would dwarf the forward passes in a wide layer (None:
+            `positions_per_batch` from every batch).
+        analytic_batches: the first calibration batches the analytic map's top-1 agreement with the original is
+            measured on, in a forward pass of its own (None: all; 0: not measured). It is a diagnostic (how much
+            the calibration does), so by default one batch: with a few large images, more would cost a large part
+            of a forward pass. The calibrated model's agreement is measured on all of them, at no cost: the
+            calibration walk computes its output.
+        device: where the forward passes run and the normal equations are accumulated (float32 products) and
+            solved (float64): 'cpu', 'cuda', or 'auto'/None (CUDA when available).
+        calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
+            they spill to a temporary folder.
+        cache_dtype: the dtype those activations are kept in (None: as computed, exact; torch.float16
+            halves the memory at float16 precision).
+        progress: show a progress bar.
+        **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
+
+    Returns:
+        The converted model (in eval mode, on the device `model` was on) and the report.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    home = next(model.parameters()).device
+    device = resolve_device(device)
+    converted = build_converted(model, norm, **model_kwargs).eval()
+    norms = check_norms(model, converted)
+    carry_weights(model, converted, norms)
+    batches = [_images(b) for b in calibration] if calibration is not None else []
+    in_chans = model_in_chans(model)
+    for x in batches:
+        _check_batch(x, in_chans)
+    report = ConversionReport(
+        architecture=architecture(model), norm=norm, calibration_batches=len(batches),
+        calibration_images=sum(x.shape[0] for x in batches), seconds=0.0)
+    if batches:
+        model.eval().to(device)
+        converted.to(device)
+        options = CalibrationOptions(
+            ridge=ridge, positions_per_batch=positions_per_batch, positions_per_unknown=positions_per_unknown,
+            analytic_batches=analytic_batches, calib_memory=calib_memory, cache_dtype=cache_dtype,
+            progress=progress, seed=seed)
+        try:
+            _calibrate(model, converted, [x.to(device) for x in batches], report, options)
+        finally:
+            model.to(home)
+        converted.to(home)
+    report.seconds = time.perf_counter() - start
+    model.train(was_training)
+    return converted, report
+
+
+def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
+               options: CalibrationOptions) -> None:
+    """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
+
+    Both models are traced and walked over all batches together (`GraphWalk`): the converted model up to
+    the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
+    values there, then both walks go on. Each model's graph thus runs once per batch, whatever its depth.
+    """
+    generator = torch.Generator().manual_seed(options.seed)
+    cache = ActivationCache(options.calib_memory, options.cache_dtype)
+    slots = {s.binding.producer: s for s in converted.modules()
+             if isinstance(s, PatchNormSlot) and s.binding is not None and s.binding.producer}
+    slot_paths = {id(s): n for n, s in converted.named_modules()}
+    layers = [(n, m) for n, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
+    targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
+    with torch.no_grad():
+        analytic = [converted(x) for x in batches[:options.analytic_batches]]
+        walk = GraphWalk(trace(converted), batches, cache)
+        original = GraphWalk(trace(model, targets.values()), batches, cache)
+        layers = sorted([(n, m) for n, m in layers if walk.calls(n)], key=lambda item: walk.index[walk.node(item[0])])
+        bar = None
+        if options.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(layers), desc='calibrating', unit='layer', leave=False)
+        try:
+            for name, layer in layers:
+                fit = _fit_layer(name, layer, slots.get(name), targets[name], walk, original, options, generator)
+                report.layers.append(fit)
+                if bar is not None:
+                    bar.update()
+            walk.run_until(None)
+            original.run_until(None)
+        finally:
+            cache.close()
+            if bar is not None:
+                bar.close()
+    if analytic:
+        report.top1_agreement_analytic = _agreement(original.outputs, analytic)
+        report.analytic_images = sum(len(a) for a in analytic)
+    report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
+
+
+def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:
+    """The positions drawn from each batch for a fit of `unknowns` unknowns: at most `per_batch`, and at most
+    `per_unknown` per unknown over all `batches`."""
+    if per_unknown is None:
+        return per_batch
+    return max(1, min(per_batch, math.ceil(per_unknown * unknowns / batches)))
+
+
+def _fit_layer(name: str, layer: nn.Module, slot: Optional[PatchNormSlot], target_path: str, walk: GraphWalk,
+               original: GraphWalk, options: CalibrationOptions, generator: torch.Generator) -> 'LayerFit':
+    """Fit one layer on the inputs the converted walk gives it, to the original walk's values at `target_path`."""
+    node, target = walk.node(name), original.node(target_path)
+    walk.run_until(node)
+    original.run_until(target, inclusive=True)
+    conv = isinstance(layer, PatchNormConv2d)
+    channels = layer.weight.shape[0]
+    unknowns = layer.weight[0].numel() + (layer.bias is not None) + (slot is not None)
+    positions_per_batch = positions_per_batch_for(
+        unknowns, len(walk.batches), options.positions_per_batch, options.positions_per_unknown)
+    equations = NormalEquations()
+    for b in range(len(walk.batches)):
+        out = original.value(target, b)
+        positions = out.numel() // channels
+        keep = None
+        if positions > positions_per_batch:  # the draw, per batch in forward order, of the layer-by-layer fit
+            keep = torch.randperm(positions, generator=generator)[:positions_per_batch].to(out.device)
+        z = output_targets(out, channels, conv, keep)
+        u = patch_features(layer, walk.value(node.args[0], b), keep, shift=slot is not None)
+        z = z.unflatten(1, (u.shape[0], -1)).transpose(0, 1)                      # (G, positions, out/G)
+        equations.add(u, z)
+    v, before, after = equations.fit(layer_params(layer, slot), options.ridge, free_last=slot is not None)
+    set_layer_params(layer, slot, v)
+    _logger.debug(f'{name}: rel. err {before[0]:.4f} -> {after[0]:.4f}')
+    return LayerFit(name, target_path, equations.count, *before, *after)

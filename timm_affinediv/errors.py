@@ -1,0 +1,62 @@
+""" The errors timm-affinediv reports to its user
+
+Every one derives from `AffineDivError`, so `except AffineDivError` catches what the package raises about its
+input (a model, file, dataset or setting it cannot use), and each keeps the builtin it has always subclassed, so
+`except ValueError` around a conversion or `except RuntimeError` around a training run still works. The command
+line prints any of them as one line and exits with status 2 (`timm_affinediv.cli.run_main`).
+"""
+__all__ = [
+    'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',
+    'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError', 'DeviceError']
+
+
+class AffineDivError(Exception):
+    """Base class of every error timm-affinediv reports: bad input, not a bug; the message says what to do."""
+
+
+class MissingFileError(AffineDivError, FileNotFoundError):
+    """A file or folder the caller named does not exist."""
+
+
+class TimmVersionError(AffineDivError, ImportError):
+    """The installed timm is outside the range this release is tested with (`timm_affinediv._timm_compat`)."""
+
+
+class ConversionError(AffineDivError, ValueError):
+    """A model or checkpoint that cannot be converted; the message lists what and why."""
+
+
+class SlotLayoutError(AffineDivError, ValueError):
+    """A `patchnorm` slot whose input does not hold its channels where it normalises them (token layouts)."""
+
+
+class DataError(AffineDivError, RuntimeError):
+    """A dataset that cannot be used: missing, empty, malformed or unreadable."""
+
+
+class TrainingError(AffineDivError, RuntimeError):
+    """Base class of the errors a training run reports to its user."""
+
+
+class ConfigError(TrainingError, ValueError):
+    """Settings that cannot work together (e.g. a head whose class count does not match the dataset)."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint that cannot be read, or was written for another model or run."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The training loss became NaN or infinite; the last good checkpoint is left as it was."""
+
+
+class HubError(AffineDivError):
+    """A Hub folder, repo id or upload that cannot go ahead; the message says what to do."""
+
+
+class ExportError(AffineDivError, RuntimeError):
+    """An export failed, or the exported model does not compute the eager model's numbers."""
+
+
+class DeviceError(AffineDivError, ValueError):
+    """A device that does not exist here (e.g. 'cuda' on a machine without one)."""
