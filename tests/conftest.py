@@ -1,5 +1,8 @@
 """Shared by every test module: commands run in-process configure the root logger; each test starts clean."""
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,3 +18,16 @@ def _restore_root_logger():
         if handler not in handlers:
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+SCRIPTS = Path(__file__).parents[1] / 'scripts'
+
+
+@pytest.fixture
+def run_script():
+    """Run `python scripts/<name>.py ARGS...` (the developer scripts of the source tree) in a fresh process,
+    returning the finished process (text output captured)."""
+    def run(name: str, *args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(SCRIPTS / f'{name}.py'), *args], capture_output=True, text=True,
+                              timeout=timeout, **kwargs)
+    return run

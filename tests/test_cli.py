@@ -100,13 +100,15 @@ def test_divergence_report_keeps_an_earlier_report(tmp_path, capsys):
     assert _snapshot(tmp_path) == {Path('report.md'): b'earlier'}
 
 
-def test_pipeline_and_experiments_keep_earlier_results(finished_run, tmp_path, capsys):
+def test_pipeline_and_experiments_keep_earlier_results(finished_run, tmp_path, capsys, run_script):
     before = _snapshot(finished_run)
     assert 'holds earlier results' in _run('pipeline', '--output', str(finished_run), capsys=capsys)
     assert _snapshot(finished_run) == before
     (tmp_path / 'mlp.json').write_text('{}')
-    line = _run('experiments', '--only', 'mlp', '--quick', '--output', str(tmp_path), capsys=capsys)
-    assert 'holds earlier results (mlp.json)' in line
+    proc = run_script('experiments', '--only', 'mlp', '--quick', '--output', str(tmp_path))
+    assert proc.returncode == 2 and 'Traceback' not in proc.stderr, proc.stderr
+    assert 'holds earlier results (mlp.json)' in proc.stderr.strip()
+    assert (tmp_path / 'mlp.json').read_text() == '{}'
     assert 'argument --train-subset: -5' in _run('pipeline', '--train-subset', '-5', capsys=capsys)
 
 
@@ -151,11 +153,12 @@ def test_convert_to_folder_refuses_negative_sizes(tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
-def test_bench_convert_prints_paired_ratios(capsys):
+def test_bench_convert_prints_paired_ratios(run_script):
     """The conversion benchmark's table: forward pass, conversion and their ratio, from paired rounds."""
-    assert main(['bench-convert', '--models', 'resnet18', '--settings', 'synthetic-224', '--batches', '1', '1',
-                 '--batch-size', '2', '2', '--reps', '2', '--device', 'cpu']) == 0
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith('| resnet18 |')]
+    proc = run_script('bench_convert', '--models', 'resnet18', '--settings', 'synthetic-224', '--batches', '1', '1',
+                      '--batch-size', '2', '2', '--reps', '2', '--device', 'cpu')
+    assert proc.returncode == 0, proc.stderr
+    row = [line for line in proc.stdout.splitlines() if line.startswith('| resnet18 |')]
     assert len(row) == 1
     cells = [c.strip() for c in row[0].strip('|').split('|')]
     forward, seconds, ratio = float(cells[3]), float(cells[4]), float(cells[5])

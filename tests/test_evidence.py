@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
 from timm_affinediv import AffineDivLinear, PatchNormConv2d
 from timm_affinediv.diagnostics import divergence_report, format_report
 from timm_affinediv import L2NormLinear
-from timm_affinediv.experiments import (
+
+sys.path.insert(0, str(Path(__file__).parents[1] / 'scripts'))  # the paper experiments: scripts/paper
+from paper import (  # noqa: E402
     CONV_MODELS, MLP_VARIANTS, QUICK, Config, Splits, mlp_model, run_experiment, settings, slope_interval,
-    train_run)
+    t_quantile, train_run)
 
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -185,8 +188,18 @@ def test_ablation_variants_are_parameterless_but_for_their_affine_maps(variant):
 def test_slope_interval_is_a_t_interval_over_seeds():
     mean, half = slope_interval([1.0, 2.0, 3.0])
     assert mean == pytest.approx(2.0) and half == pytest.approx(4.303 / 3 ** 0.5, rel=1e-4)
-    with pytest.raises(ValueError, match='2 to'):
+    with pytest.raises(ValueError, match='at least 2 seeds'):
         slope_interval([1.0])
+
+
+def test_t_quantile_matches_the_printed_table():
+    """The closed-form Student t against a printed table (3 decimals), and near the normal limit."""
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+             20: 2.086, 30: 2.042}
+    for df, value in table.items():
+        assert t_quantile(0.975, df) == pytest.approx(value, abs=5e-4), df
+    assert t_quantile(0.95, 4) == pytest.approx(2.132, abs=5e-4)
+    assert t_quantile(0.975, 2000) == pytest.approx(1.96115, abs=1e-4)
 
 
 TINY_MLP = Config(128, 32, 32, epochs=1, lrs=(0.1,), seeds=2, batch_sizes=(32,), widths=(8,), depths=(1,),
@@ -211,8 +224,9 @@ def test_worker_processes_give_the_runs_of_one_process_and_a_rerun_resumes(tmp_p
 
 
 @pytest.mark.skipif(not os.path.exists(FASHION_MNIST), reason='needs Debian dataset-fashion-mnist')
-def test_quick_experiments_write_tables_plots_and_records(tmp_path):
-    assert _script('experiments').main(['--quick', '--seed', '1', '--output', str(tmp_path)]) == 0
+def test_quick_experiments_write_tables_plots_and_records(tmp_path, run_script):
+    proc = run_script('experiments', '--quick', '--seed', '1', '--output', str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
     for experiment in ('mlp', 'batch', 'conv'):
         config = QUICK[experiment]
         record = json.loads((tmp_path / f'{experiment}.json').read_text())

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from ._io import atomic_write
 from .errors import ExportError
 
 __all__ = ['ExportError', 'export_onnx', 'validate_onnx', 'relative_error']
@@ -101,25 +102,25 @@ def export_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     was_training = model.training
     model.eval()
-    fd, tmp = tempfile.mkstemp(prefix=f'.{path.name}.', suffix='.tmp', dir=path.parent)
-    os.close(fd)
-    try:
-        inputs = _random_batches(input_size, batch_sizes)
+    inputs = _random_batches(input_size, batch_sizes)
+    error = None
+
+    def export_and_validate(tmp: str) -> None:
+        nonlocal error
         try:
             _export(model, inputs[0], tmp, opset, dynamo)
         except Exception as e:
             raise ExportError(f"{'dynamo' if dynamo else 'TorchScript-based'} ONNX export (opset {opset}) "
                               f'failed: {type(e).__name__}: {e}') from e
-        error = None
         if validate:
             error = validate_onnx(model, tmp, inputs)
             if not error <= tolerance:
                 raise ExportError(
                     f'the exported model differs from eager by {error:.3g} relative (tolerance {tolerance:g}) '
                     f'on batches of {list(batch_sizes)}: not written to {path}.')
-        os.replace(tmp, path)
+
+    try:
+        atomic_write(path, export_and_validate)
         return error
     finally:
         model.train(was_training)
-        if os.path.exists(tmp):
-            os.remove(tmp)

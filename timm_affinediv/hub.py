@@ -36,6 +36,7 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, 
 from timm.models import model_entrypoint, register_model, save_for_hf
 from torch import nn
 
+from ._io import atomic_dir
 from ._timm_compat import get_model_input_config
 from .errors import HubError
 from .layers.binding import fake_eval
@@ -132,9 +133,7 @@ def save_hub_folder(
         _check_extra_file_name(name)
 
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = _sibling(output_dir, 'tmp')
-    tmp_dir.mkdir()
-    try:
+    with atomic_dir(output_dir) as tmp_dir:
         data_config = dict(data_config or _data_config(model))
         save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True, data_config=data_config)
         config_path = tmp_dir / CONFIG_NAME
@@ -157,10 +156,6 @@ def save_hub_folder(
                 path.write_bytes(content)
             else:
                 path.write_text(content, encoding='utf-8')
-        _replace_dir(tmp_dir, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return output_dir
 
 
@@ -198,25 +193,6 @@ def _check_extra_file_name(name: str) -> None:
         raise ValueError(f'extra file {name!r} would replace the {name} that save_hub_folder writes.')
     if name.endswith(PICKLE_SUFFIXES):
         raise ValueError(f'extra file {name!r} is a pickle format; Hub folders publish safetensors only.')
-
-
-def _sibling(path: Path, kind: str) -> Path:
-    """A new hidden name beside ``path``, for a folder being written or replaced."""
-    return path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.{kind}')
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``, moving an existing ``dst`` aside first and deleting it after."""
-    if not dst.exists():
-        src.rename(dst)
-        return
-    old = _sibling(dst, 'old')
-    dst.rename(old)
-    src.rename(dst)
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
 
 
 def model_card_template() -> str:

@@ -20,14 +20,7 @@ COMMANDS = {
     'finetune': ('finetune', 'train or fine-tune a timm model (with distillation, DDP under torchrun)'),
     'push': ('push', 'upload a Hub-ready folder to the Hugging Face Hub'),
     'report': ('report', 'measure the affine divergence of every affine layer of a timm model'),
-    'experiments': ('experiments', 'the Fashion-MNIST experiments testing the paper\'s claims'),
-    'bench': ('bench', 'time timm models against the same with norm_layer="patchnorm"'),
-    'bench-train': ('bench_train', 'throughput of the training loop against a bare PyTorch loop'),
-    'measure-conversion': ('measure_conversion', 'top-1 of a converted model against the calibration budget'),
-    'measure-finetune': ('measure_finetune', 'fine-tuning a converted model against training from scratch'),
     'export': ('export', 'export a model to ONNX, validated against eager with ONNX Runtime'),
-    'bench-onnx': ('bench_onnx', 'time ONNX Runtime inference of patchnorm models against the originals'),
-    'bench-convert': ('bench_convert', 'conversion time against one forward pass over the calibration set'),
 }
 
 
@@ -49,21 +42,24 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return super()._format_action(action)
 
 
-def command_parser(command: str, doc: str) -> ArgumentParser:
-    """The parser of `timm-affinediv <command>`: `doc`'s first paragraph describes it, the rest (examples) follows."""
+def command_parser(command: str, doc: str, prog: Optional[str] = None) -> ArgumentParser:
+    """The parser of `timm-affinediv <command>` (or of the script `prog`): `doc`'s first paragraph describes it, the
+    rest (examples) follows."""
     description, _, epilog = doc.strip().partition('\n\n')
     return ArgumentParser(
-        prog=f'timm-affinediv {command}', description=description, epilog=epilog and 'examples:\n' + epilog,
+        prog=prog or f'timm-affinediv {command}', description=description, epilog=epilog and 'examples:\n' + epilog,
         formatter_class=HelpFormatter)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog='timm-affinediv', formatter_class=argparse.RawDescriptionHelpFormatter,
-        description='The Affine Divergence (ICLR 2026) layers for timm: convert, fine-tune, publish and measure.',
+        description='The Affine Divergence (ICLR 2026 GRaM workshop) layers for timm: convert, fine-tune, publish, '
+                    'export and measure.',
         epilog='commands:\n' + '\n'.join(f'  {name:20s}{text}' for name, (_, text) in COMMANDS.items())
                + '\n\n`timm-affinediv COMMAND --help` shows the command\'s options, their defaults and an example, e.g.\n'
-               '  timm-affinediv pipeline --output runs/demo')
+               '  timm-affinediv pipeline --output runs/demo\n\n'
+               'The benchmarks and the paper experiments are scripts of the source tree: scripts/*.py.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     parser.add_argument('command', choices=COMMANDS, metavar='COMMAND', help='one of: ' + ', '.join(COMMANDS))
     parser.add_argument('args', nargs=argparse.REMAINDER, help='the command\'s own arguments')

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from .._io import atomic_write
 from .config import CheckpointError, ConfigError
 
 __all__ = ['resolve_checkpoint', 'prune_checkpoints']
@@ -71,38 +72,9 @@ def resolve_checkpoint(path: str) -> str:
                           f'checkpoint folder (with {_STATE_FILE}).')
 
 
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    tmp = f'{path}.tmp-{os.getpid()}'
-    with open(tmp, 'wb') as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    _atomic_write_bytes(path, text.encode())
-
-
 def _save_safetensors(state_dict: Dict[str, torch.Tensor], path: str) -> None:
-    tmp = f'{path}.tmp-{os.getpid()}'
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, tmp)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def _atomic_dir(path: str) -> Iterator[str]:
-    """Yield a temporary folder that is renamed to `path` (atomically) once the block completes."""
-    tmp = f'{path}.tmp-{os.getpid()}'
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp))
 
 
 def _rng_state() -> Dict[str, Any]:
@@ -138,7 +110,7 @@ def prune_checkpoints(checkpoint_dir: str, keep_last: int) -> None:
         except FileNotFoundError:
             pass
     folders = sorted(d for d in os.listdir(checkpoint_dir)
-                     if d.startswith(('epoch-', 'interrupt-')) and '.tmp-' not in d)
+                     if d.startswith(('epoch-', 'interrupt-')))
     keep.update([d for d in folders if d.startswith('epoch-')][-keep_last:])
     for d in folders:
         if d not in keep:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from timm.utils import accuracy
 from tqdm import tqdm
 
-from .checkpoint import _atomic_write_bytes, _atomic_write_text
+from .._io import atomic_write
 from .config import ConfigError
 
 __all__ = ['evaluate', 'plot_history', 'write_metrics']
@@ -42,7 +42,7 @@ def plot_history(history: Sequence[Dict[str, float]], path: str) -> None:
     ax_acc.legend()
     buffer = io.BytesIO()
     fig.savefig(buffer, format='png', dpi=100)
-    _atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue())
 
 
 @torch.no_grad()
@@ -93,6 +93,6 @@ def write_metrics(history: List[Dict[str, float]], out: str) -> None:
     writer = csv.DictWriter(buffer, fieldnames=keys)
     writer.writeheader()
     writer.writerows(history)
-    _atomic_write_text(os.path.join(out, 'metrics.csv'), buffer.getvalue())
-    _atomic_write_text(os.path.join(out, 'metrics.json'), json.dumps(history, indent=2))
+    atomic_write(os.path.join(out, 'metrics.csv'), buffer.getvalue())
+    atomic_write(os.path.join(out, 'metrics.json'), json.dumps(history, indent=2))
     plot_history(history, os.path.join(out, 'metrics.png'))

@@ -35,13 +35,14 @@ from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from .._io import atomic_dir, atomic_write
 from ..layers.binding import bind_patchnorm
 from ..data import (
     create_eval_loader, create_train_loader, dataset_num_classes, describe_split, is_fashion_mnist,
     resolve_dataset_data_config, set_loader_epoch,
 )
 from .checkpoint import (
-    CHECKPOINT_FORMAT, _EMA_FILE, _MODEL_FILE, _STATE_FILE, _atomic_dir, _atomic_write_text, _load_weights,
+    CHECKPOINT_FORMAT, _EMA_FILE, _MODEL_FILE, _STATE_FILE, _load_weights,
     _read_weights, _rng_state, _save_safetensors, _set_rng_state, prune_checkpoints, resolve_checkpoint)
 from .config import (
     AMP_DTYPES, CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, TrainingInterrupted, TrainResult)
@@ -361,7 +362,7 @@ class Trainer:
         """
         if self.is_primary:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
-            _atomic_write_text(os.path.join(self.cfg.output, 'train_config.json'),
+            atomic_write(os.path.join(self.cfg.output, 'train_config.json'),
                                json.dumps(dataclasses.asdict(self.cfg), indent=2, default=str))
         with self._stop_on_signals():
             for epoch in range(self.epoch, self.num_epochs):
@@ -443,7 +444,7 @@ class Trainer:
         path = os.path.join(self.checkpoint_dir, name)
         if self.is_primary:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
-            with _atomic_dir(path) as tmp:
+            with atomic_dir(path) as tmp:
                 save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
                           os.path.join(tmp, _MODEL_FILE))
                 if self.ema is not None:
@@ -451,9 +452,9 @@ class Trainer:
                               os.path.join(tmp, _EMA_FILE))
                 torch.save(state, os.path.join(tmp, _STATE_FILE))
             pointer = json.dumps(dict(checkpoint=name, epoch=self.epoch, update_in_epoch=self.update_in_epoch))
-            _atomic_write_text(os.path.join(self.checkpoint_dir, 'last.json'), pointer)
+            atomic_write(os.path.join(self.checkpoint_dir, 'last.json'), pointer)
             if is_best:
-                _atomic_write_text(os.path.join(self.checkpoint_dir, 'best.json'), pointer)
+                atomic_write(os.path.join(self.checkpoint_dir, 'best.json'), pointer)
             prune_checkpoints(self.checkpoint_dir, self.cfg.checkpoint_hist)
         if collective:
             self._barrier()

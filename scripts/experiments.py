@@ -1,8 +1,8 @@
-"""Fashion-MNIST experiments testing the affine divergence paper's claims (see timm_affinediv.experiments).
+"""Fashion-MNIST experiments testing the affine divergence paper's claims (the `paper` modules beside this script).
 
-    timm-affinediv experiments --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
-    timm-affinediv experiments --only mlp --quick --output /tmp/q  # one experiment, seconds
-    timm-affinediv experiments --only batch --seed 1 --output runs/batch-seed1
+    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
+    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, seconds
+    python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per
 experiment, and one JSON per run under runs/<experiment>/: a rerun into the same folder skips the
@@ -13,12 +13,12 @@ import sys
 import torch
 
 from timm_affinediv.cli import existing_dir, positive_int, refuse_existing_output, run_main
-from timm_affinediv.experiments import EXPERIMENTS, run_experiment
+from paper import EXPERIMENTS, run_experiment
 from timm_affinediv.commands import command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = command_parser('experiments', __doc__)
+    parser = command_parser('experiments', __doc__, prog='scripts/experiments.py')
     parser.add_argument('--only', choices=EXPERIMENTS, action='append',
                         help='run this experiment (repeatable; default: all of ' + ', '.join(EXPERIMENTS) + ')')
     parser.add_argument('--quick', action='store_true', help='tiny budget (seconds), for tests and smoke runs')

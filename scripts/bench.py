@@ -5,7 +5,7 @@ see the same machine state; a round's ratio compares the two steps timed next to
 model and mode: the median seconds of each and the median of the per-round ratios, with the middle half
 (quartiles) of those ratios, which shows how much the shared machine moved them.
 
-    timm-affinediv bench [--reps 15] [--models convnext_tiny] [--modes train]
+    python scripts/bench.py [--reps 15] [--models convnext_tiny] [--modes train]
 """
 import statistics
 import sys
@@ -58,7 +58,7 @@ def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
 
 
 def main(argv=None) -> int:
-    parser = command_parser('bench', __doc__)
+    parser = command_parser('bench', __doc__, prog='scripts/bench.py')
     parser.add_argument('--reps', type=positive_int, default=15, help='paired rounds per model and mode')
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
     parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)

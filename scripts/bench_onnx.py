@@ -2,10 +2,10 @@
 `norm_layer="patchnorm"`, both exported the same way, side by side.
 
 Each model is exported with `timm_affinediv.export.export_onnx` (validated against eager before timing), then the
-two ONNX Runtime sessions run in paired rounds (ABBA, `timm-affinediv bench`'s `paired_rounds`). Printed per model: the
+two ONNX Runtime sessions run in paired rounds (ABBA, `python scripts/bench.py`'s `paired_rounds`). Printed per model: the
 median seconds of each and the median of the per-round ratios, with the middle half (quartiles) of those ratios.
 
-    timm-affinediv bench-onnx [--reps 15] [--models convnext_tiny] [--no-dynamo] [--threads 2]
+    python scripts/bench_onnx.py [--reps 15] [--models convnext_tiny] [--no-dynamo] [--threads 2]
 """
 import argparse
 import statistics
@@ -19,7 +19,7 @@ import torch
 import timm_affinediv  # noqa: F401  (registers patchnorm)
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
-from timm_affinediv.commands.bench import MODELS, paired_rounds
+from bench import MODELS, paired_rounds
 from timm_affinediv.export import export_onnx
 
 
@@ -38,7 +38,7 @@ def _runner(session, x):
 
 
 def main(argv=None) -> int:
-    parser = command_parser('bench-onnx', __doc__)
+    parser = command_parser('bench-onnx', __doc__, prog='scripts/bench_onnx.py')
     parser.add_argument('--reps', type=positive_int, default=15, help='paired rounds per model')
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS))
     parser.add_argument('--batch-size', type=positive_int, default=8)

@@ -1,8 +1,8 @@
 """Conversion cost in forward passes: `convert_model` time / one forward pass of the original over the same
 calibration set, for full-width models (random weights: the cost does not depend on them).
 
-    timm-affinediv bench-convert                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
-    timm-affinediv bench-convert --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
+    python scripts/bench_convert.py                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
+    python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
 Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Each is the median of
 `--reps` paired rounds, a round timing one forward pass and one conversion next to each other (in alternate
@@ -53,7 +53,7 @@ def conversion_seconds(model: torch.nn.Module, batches: list, device: torch.devi
 
 
 def main(argv=None) -> int:
-    parser = command_parser('bench-convert', __doc__)
+    parser = command_parser('bench-convert', __doc__, prog='scripts/bench_convert.py')
     parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
     parser.add_argument('--settings', nargs='+', default=['synthetic-224', 'fashion-mnist-32'],
                         choices=['synthetic-224', 'fashion-mnist-32'])

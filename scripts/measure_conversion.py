@@ -2,8 +2,8 @@
 8/32/128 (or the given counts of) calibration batches of 64 training images, the time each conversion takes and
 its ratio to one forward pass of the original over the same calibration images.
 
-    timm-affinediv measure-conversion local-dir:runs/demo/baseline
-    timm-affinediv measure-conversion local-dir:runs/r50-bn/model 32
+    python scripts/measure_conversion.py local-dir:runs/demo/baseline
+    python scripts/measure_conversion.py local-dir:runs/r50-bn/model 32
 """
 import sys
 import time
@@ -21,7 +21,7 @@ from timm_affinediv.train import evaluate
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = command_parser('measure-conversion', __doc__)
+    parser = command_parser('measure-conversion', __doc__, prog='scripts/measure_conversion.py')
     parser.add_argument('model', type=model_name, help='the trained model: local-dir:PATH or hf-hub:org/name')
     parser.add_argument('batches', type=non_negative_int, nargs='*', default=[0, 8, 32, 128],
                         help='calibration batch counts to measure (0: the analytic map only)')

@@ -1,7 +1,7 @@
 """Fine-tuning a converted model, with and without distillation, against training the same PatchNorm model from
 scratch for the same number of steps, and the original BatchNorm model; top-1 on the Fashion-MNIST test set.
 
-    timm-affinediv measure-finetune runs/demo      # after `make demo`
+    python scripts/measure_finetune.py runs/demo      # after `make demo`
 """
 import sys
 from pathlib import Path
@@ -16,7 +16,7 @@ from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:
-    parser = command_parser('measure-finetune', __doc__)
+    parser = command_parser('measure-finetune', __doc__, prog='scripts/measure_finetune.py')
     parser.add_argument('run', nargs='?', default='runs/demo', type=existing_dir, help='the pipeline run (runs/demo)')
     parser.add_argument('--epochs', type=positive_int, default=2, help='epochs of fine-tuning (default 2)')
     parser.add_argument('--overwrite', action='store_true', help='replace the results of an earlier measurement')

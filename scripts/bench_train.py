@@ -5,7 +5,7 @@ memory, so data loading is left out) and alternate for several rounds, each goin
 median and the best images/s of each are compared (on a shared machine the best round is the steadier estimate).
 The issue asks for an overhead under 10%.
 
-    timm-affinediv bench-train --model resnet18 --batch-size 64 --steps 20 --rounds 6
+    python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 6
 """
 import argparse
 import ast
@@ -64,7 +64,7 @@ def python_dict(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = command_parser('bench-train', __doc__)
+    p = command_parser('bench-train', __doc__, prog='scripts/bench_train.py')
     p.add_argument('--model', default='resnet18', type=timm_model_name)
     p.add_argument('--model-kwargs', default={}, type=python_dict,
                    help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")

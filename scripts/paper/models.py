@@ -1,0 +1,76 @@
+""" The models of the paper experiments: the ablation MLP and narrow timm ResNet/ConvNeXt, by norm variant """
+import functools
+from typing import Callable, Dict, List
+
+import timm
+import torch.nn as nn
+from timm.layers import GroupNorm
+
+import timm_affinediv  # noqa: F401  (registers norm_layer='patchnorm')
+from timm_affinediv import AffineDivLinear, L2NormLinear
+
+__all__ = ['MLP_VARIANTS', 'BATCH_VARIANTS', 'RESNET_VARIANTS', 'CONVNEXT_VARIANTS', 'CONV_MODELS', 'ACTIVATIONS',
+           'LABELS', 'mlp_model', 'conv_model']
+
+MLP_VARIANTS = ('linear', 'batchnorm', 'layernorm', 'rmsnorm', 'l2normlinear', 'affinediv')
+BATCH_VARIANTS = ('linear', 'batchnorm', 'l2normlinear', 'affinediv')
+RESNET_VARIANTS = ('batchnorm', 'groupnorm', 'layernorm2d', 'identity', 'patchnorm')
+CONVNEXT_VARIANTS = ('layernorm', 'rmsnorm', 'patchnorm')
+CONV_MODELS = dict(resnet10t=RESNET_VARIANTS, convnext_atto=CONVNEXT_VARIANTS)
+ACTIVATIONS: Dict[str, Callable[[], nn.Module]] = dict(tanh=nn.Tanh, leaky_relu=nn.LeakyReLU)
+LABELS = dict(linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
+              l2normlinear='norm-like (L2NormLinear)', affinediv='affine-like (AffineDivLinear)',
+              groupnorm='GroupNorm', layernorm2d='LayerNorm2d', identity='none', patchnorm='patchnorm')
+
+
+def mlp_model(variant: str, width: int = 256, depth: int = 2, act: str = 'leaky_relu', in_features: int = 784,
+              num_classes: int = 10) -> nn.Module:
+    """ The ablation MLP: `depth` hidden blocks of `width` units, then a head; no norm has parameters.
+
+    `linear`: `Linear -> act`; `batchnorm` / `layernorm` / `rmsnorm`: `Linear -> norm -> act` with
+    `BatchNorm1d(affine=False)` / `LayerNorm(elementwise_affine=False)` / `RMSNorm(elementwise_affine=False)`
+    and a plain head; `l2normlinear` / `affinediv`: every affine map, the head included, is
+    `L2NormLinear` (scale "l2": `W x / |x| + b`) / `AffineDivLinear` (scale "rms"), and no norm.
+    """
+    norms: Dict[str, Callable[[int], nn.Module]] = dict(
+        linear=nn.Identity, batchnorm=functools.partial(nn.BatchNorm1d, affine=False),
+        layernorm=functools.partial(nn.LayerNorm, elementwise_affine=False),
+        rmsnorm=functools.partial(nn.RMSNorm, elementwise_affine=False),
+        l2normlinear=nn.Identity, affinediv=nn.Identity)
+    if variant not in norms:
+        raise ValueError(f"unknown MLP variant {variant!r}; choose from {MLP_VARIANTS}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}; choose from {tuple(ACTIVATIONS)}")
+    affine = dict(l2normlinear=L2NormLinear, affinediv=AffineDivLinear).get(variant, nn.Linear)
+    layers: List[nn.Module] = [nn.Flatten()]
+    features = in_features
+    for _ in range(depth):
+        layers += [affine(features, width), norms[variant](width), ACTIVATIONS[act]()]
+        features = width
+    layers.append(affine(features, num_classes))
+    return nn.Sequential(*layers)
+
+
+def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) -> nn.Module:
+    """ A narrow timm `resnet10t` or `convnext_atto` (1 input channel) with the given norm.
+
+    resnet10t: channels 16-128, stem 16; `identity` has no norm (and `zero_init_last=False`, as there is
+    no norm weight to zero), `groupnorm` 4 groups. convnext_atto: its depths, dims 16-128; `layernorm`
+    (native), `rmsnorm` (timm's RmsNorm2d) or `patchnorm`, through ConvNeXt's own norm map.
+    """
+    if model == 'convnext_atto':
+        if variant not in CONVNEXT_VARIANTS:
+            raise ValueError(f"unknown convnext variant {variant!r}; choose from {CONVNEXT_VARIANTS}")
+        return timm.create_model('convnext_atto', in_chans=1, num_classes=num_classes, dims=(16, 32, 64, 128),
+                                 norm_layer=variant)
+    if model != 'resnet10t':
+        raise ValueError(f"unknown conv model {model!r}; choose from {tuple(CONV_MODELS)}")
+    norms = dict(
+        batchnorm='batchnorm', groupnorm=functools.partial(GroupNorm, num_groups=4),
+        layernorm2d='layernorm2d', identity=nn.Identity, patchnorm='patchnorm')
+    if variant not in norms:
+        raise ValueError(f"unknown resnet variant {variant!r}; choose from {RESNET_VARIANTS}")
+    extra = dict(zero_init_last=False) if variant == 'identity' else {}
+    return timm.create_model(
+        'resnet10t', in_chans=1, num_classes=num_classes, channels=(16, 32, 64, 128), stem_width=16,
+        norm_layer=norms[variant], **extra)

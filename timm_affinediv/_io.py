@@ -1,0 +1,69 @@
+""" Atomic writes: a file or a folder is either complete or not there (or still the one it replaces)
+
+Everything is written under a hidden temporary name beside its destination, on the same file system, and renamed
+into place once complete; a failure removes the temporary and leaves the destination as it was.
+"""
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Union
+
+__all__ = ['atomic_write', 'atomic_dir']
+
+PathLike = Union[str, os.PathLike]
+
+
+def _sibling(path: Path, kind: str) -> Path:
+    """A new hidden name beside `path`, for a file or folder being written or replaced."""
+    return path.with_name(f'.{path.name}.{uuid.uuid4().hex[:8]}.{kind}')
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
+def atomic_write(path: PathLike, content: Union[bytes, str, Callable[[str], None]]) -> None:
+    """ Write `content` to `path` atomically: bytes, text (UTF-8), or a callback that writes the file whose path it
+    is given (e.g. `lambda tmp: safetensors.torch.save_file(tensors, tmp)`); a callback that raises leaves nothing.
+    """
+    path = Path(path)
+    tmp = _sibling(path, 'tmp')
+    try:
+        if callable(content):
+            content(str(tmp))
+        else:
+            with open(tmp, 'wb') as f:
+                f.write(content.encode('utf-8') if isinstance(content, str) else content)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            _remove(tmp)
+
+
+@contextmanager
+def atomic_dir(path: PathLike) -> Iterator[Path]:
+    """ Yield a new temporary folder that replaces `path` once the block completes (an existing `path` is moved
+    aside first and deleted after); if the block raises, the temporary folder is deleted and `path` left as it was.
+    """
+    path = Path(path)
+    tmp = _sibling(path, 'tmp')
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            old = _sibling(path, 'old')
+            path.rename(old)
+            tmp.rename(path)
+            _remove(old)
+        else:
+            tmp.rename(path)
+    finally:
+        if tmp.exists():
+            _remove(tmp)
