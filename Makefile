@@ -51,4 +51,4 @@ test: setup
 	cd "$$(mktemp -d)" && TIMM_AFFINEDIV_WHEEL_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
 
 bench: setup
-	$(BIN)/timm-affinediv bench
+	$(BIN)/python scripts/bench.py

@@ -15,8 +15,8 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
-from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import positive_int, run_main
+from timm_affinediv.commands import command_parser
 
 MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
 MODES = ('train', 'inference')

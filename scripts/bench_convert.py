@@ -1,7 +1,7 @@
 """Conversion cost in forward passes: `convert_model` time / one forward pass of the original over the same
 calibration set, for full-width models (random weights: the cost does not depend on them).
 
-    python scripts/bench_convert.py                                  # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
+    python scripts/bench_convert.py        # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
     python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
 
 Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Each is the median of
@@ -17,11 +17,11 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.convert import convert_model
-from timm_affinediv.device import resolve_device
-from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.convert import convert_model
+from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.device import resolve_device
 
 
 def calibration_set(setting: str, batches: int, batch_size: int, model: torch.nn.Module) -> list:

@@ -2,7 +2,7 @@
 `norm_layer="patchnorm"`, both exported the same way, side by side.
 
 Each model is exported with `timm_affinediv.export.export_onnx` (validated against eager before timing), then the
-two ONNX Runtime sessions run in paired rounds (ABBA, `python scripts/bench.py`'s `paired_rounds`). Printed per model: the
+two ONNX Runtime sessions run in paired rounds (ABBA, `scripts/bench.py`'s `paired_rounds`). Printed per model: the
 median seconds of each and the median of the per-round ratios, with the middle half (quartiles) of those ratios.
 
     python scripts/bench_onnx.py [--reps 15] [--models convnext_tiny] [--no-dynamo] [--threads 2]
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import timm
 import torch
+from bench import MODELS, paired_rounds
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
-from bench import MODELS, paired_rounds
 from timm_affinediv.export import export_onnx
 
 
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     input_size = (3, args.img_size, args.img_size)
     exporter = 'dynamo' if args.dynamo else 'TorchScript-based'
     import onnxruntime
-    print(f'onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, timm {timm.__version__}, {exporter} exporter, '
+    print(f'onnxruntime {onnxruntime.__version__}, torch {torch.__version__}, timm {timm.__version__}, '
+          f'{exporter} exporter, '
           f'batch {args.batch_size}, {args.img_size}x{args.img_size}, {args.reps} paired rounds (ABBA)')
     print('| model | reference norm | reference s | patchnorm s | ratio (median of rounds) | middle half | '
           'export error (ref, patchnorm) |')

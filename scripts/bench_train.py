@@ -7,8 +7,6 @@ The issue asks for an overhead under 10%.
 
     python scripts/bench_train.py --model resnet18 --batch-size 64 --steps 20 --rounds 6
 """
-import argparse
-import ast
 import statistics
 import sys
 import time
@@ -18,7 +16,7 @@ from typing import List, Tuple
 import torch
 import torch.nn as nn
 
-from timm_affinediv.cli import positive_int, run_main, timm_model_name
+from timm_affinediv.cli import add_model_args, positive_int, run_main, timm_model_name
 from timm_affinediv.commands import command_parser
 from timm_affinediv.train import TrainConfig, Trainer
 
@@ -52,22 +50,11 @@ class _FixedBatches:
         return iter(self.batches)
 
 
-def python_dict(text: str) -> dict:
-    """A Python dict literal, e.g. "{'drop_rate': 0.1}"."""
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f'{text!r} is not a Python dict literal, e.g. "{{\'drop_rate\': 0.1}}"')
-    return value
-
-
 def main(argv=None) -> int:
     p = command_parser('bench-train', __doc__, prog='scripts/bench_train.py')
-    p.add_argument('--model', default='resnet18', type=timm_model_name)
-    p.add_argument('--model-kwargs', default={}, type=python_dict,
-                   help="python dict of create_model kwargs, e.g. \"{'drop_rate': 0.1}\"")
+    add_model_args(p, model_type=timm_model_name, default='resnet18', pretrained=False, checkpoint=(), head=False,
+                   model_kwargs_default={}, help={'--model': 'timm model name',
+                                                  '--model-kwargs': 'timm.create_model arguments, e.g. drop_rate=0.1'})
     p.add_argument('-b', '--batch-size', type=positive_int, default=64)
     p.add_argument('--steps', type=positive_int, default=20, help='batches per round')
     p.add_argument('--rounds', type=positive_int, default=6)

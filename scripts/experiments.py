@@ -1,6 +1,6 @@
 """Fashion-MNIST experiments testing the affine divergence paper's claims (the `paper` modules beside this script).
 
-    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget, over the last tables
+    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget
     python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, seconds
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
@@ -11,9 +11,9 @@ runs already recorded, so an interrupted grid continues where it stopped.
 import sys
 
 import torch
-
-from timm_affinediv.cli import existing_dir, positive_int, refuse_existing_output, run_main
 from paper import EXPERIMENTS, run_experiment
+
+from timm_affinediv.cli import add_deprecated_alias, existing_dir, positive_int, refuse_existing_output, run_main
 from timm_affinediv.commands import command_parser
 
 
@@ -24,11 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--quick', action='store_true', help='tiny budget (seconds), for tests and smoke runs')
     parser.add_argument('--seed', type=int, default=0, help='first seed; the lr is tuned with it (default 0)')
     parser.add_argument('--output', required=True, help='folder for the tables, plots and run records')
-    parser.add_argument('--data-root', type=existing_dir, help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
+    parser.add_argument('--data-dir', type=existing_dir,
+                        help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
+    add_deprecated_alias(parser, '--data-root', '--data-dir', 'data_dir', type=existing_dir)
     parser.add_argument('--workers', type=positive_int, default=1,
                         help='worker processes, one run and one torch thread each (default 1: in this process)')
     parser.add_argument('--overwrite', action='store_true',
-                        help="replace the experiments' earlier tables in --output (run records already there are reused)")
+                        help="replace the experiments' earlier tables in --output (run records already there are "
+                             'reused)')
     args = parser.parse_args(argv)
     experiments = args.only or EXPERIMENTS
     if not args.overwrite:
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     for experiment in experiments:
-        run_experiment(experiment, args.output, seed=args.seed, quick=args.quick, data_root=args.data_root,
+        run_experiment(experiment, args.output, seed=args.seed, quick=args.quick, data_root=args.data_dir,
                        workers=args.workers, log=lambda line: print(line, flush=True))
         print(f'wrote {args.output}/{experiment}.{{json,md,png}}', flush=True)
     return 0

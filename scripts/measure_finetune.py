@@ -8,11 +8,11 @@ from pathlib import Path
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import existing_dir, positive_int, refuse_existing_output, run_main
-from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
-from timm_affinediv.pipeline import PipelineConfig, train_config, final_top1
-from timm_affinediv.train import Trainer, evaluate
-from timm_affinediv.model_io import load_trained_model
 from timm_affinediv.commands import command_parser
+from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.pipeline import PipelineConfig, final_top1, train_config
+from timm_affinediv.train import Trainer, evaluate
 
 
 def main(argv=None) -> int:
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     data_config = resolve_dataset_data_config('fashion-mnist', baseline, in_chans=1)
     test = create_eval_loader('fashion-mnist', None, data_config, 256, workers=0)
     rows = [('original BatchNorm', evaluate(baseline, test)['top1'])]
-    converted = lambda: load_trained_model(f'local-dir:{Path(run) / "converted"}')
+
+    def converted():
+        return load_trained_model(f'local-dir:{Path(run) / "converted"}')
     rows.append(('converted, before fine-tuning', evaluate(converted(), test)['top1']))
     runs = [('fine-tuned with distillation', dict(model=converted(), teacher=baseline), dict(distill_weight=0.5)),
             ('fine-tuned without distillation', dict(model=converted()), {}),

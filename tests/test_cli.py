@@ -10,8 +10,8 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.layers.binding import SlotLayoutError
 from timm_affinediv.commands import main
+from timm_affinediv.layers.binding import SlotLayoutError
 
 
 def _run(command: str, *argv: str, capsys) -> str:

@@ -269,6 +269,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
 
 def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, monkeypatch):
     from PIL import Image
+
     import timm_affinediv.model_io as workflow
     rng = np.random.default_rng(0)
     pixels = []

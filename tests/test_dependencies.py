@@ -6,8 +6,9 @@ import importlib.util
 import pkgutil
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 import timm_affinediv
 

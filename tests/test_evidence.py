@@ -14,14 +14,23 @@ import torch
 import torch.nn as nn
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
-from timm_affinediv import AffineDivLinear, PatchNormConv2d
+from timm_affinediv import AffineDivLinear, L2NormLinear, PatchNormConv2d
 from timm_affinediv.diagnostics import divergence_report, format_report
-from timm_affinediv import L2NormLinear
 
 sys.path.insert(0, str(Path(__file__).parents[1] / 'scripts'))  # the paper experiments: scripts/paper
 from paper import (  # noqa: E402
-    CONV_MODELS, MLP_VARIANTS, QUICK, Config, Splits, mlp_model, run_experiment, settings, slope_interval,
-    t_quantile, train_run)
+    CONV_MODELS,
+    MLP_VARIANTS,
+    QUICK,
+    Config,
+    Splits,
+    mlp_model,
+    run_experiment,
+    settings,
+    slope_interval,
+    t_quantile,
+    train_run,
+)
 
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -115,7 +124,7 @@ def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path
     assert table.count('\n') == len(layers) + 2 and table in capsys.readouterr().out
     pngs = sorted((tmp_path / 'layers').glob('*.png'))
     assert len(pngs) == len(layers) + 1 and all(_is_png(p) for p in pngs)
-    assert all(l['spread'] == pytest.approx(1, abs=1e-9) for l in layers if l['corrected'])
+    assert all(layer['spread'] == pytest.approx(1, abs=1e-9) for layer in layers if layer['corrected'])
 
 
 def _report_status(argv: list) -> int:
@@ -136,7 +145,8 @@ def test_divergence_report_script_measures_given_weights_or_refuses(tmp_path, ca
     record = json.loads((tmp_path / 'out' / 'report.json').read_text())
     assert record['weights'] == 'trained weights' and record['input_shape'] == [3, 40, 40]
     # weights that do not fit, or are not there: an error, never a random model measured instead
-    assert _report_status(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 2
+    assert _report_status(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint',
+                                                                          str(tmp_path / 'weights.pth')]) == 2
     assert _report_status(argv + ['--checkpoint', str(tmp_path / 'absent.pth')]) == 2
     assert _report_status(['--model', f'local-dir:{tmp_path / "absent"}', '--data', 'random']) == 2
     assert capsys.readouterr().err.count('error:') == 3

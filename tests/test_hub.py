@@ -10,10 +10,10 @@ import pytest
 import safetensors.torch
 import timm
 import torch
+from hub_server import HubServer
 from huggingface_hub import ModelCard, constants
 from torch import nn
 
-from hub_server import HubServer
 from timm_affinediv.hub import HubError, push_to_hub, render_model_card, save_hub_folder
 
 REPO_ID = 'test-org/test-resnet-fmnist'
@@ -341,7 +341,8 @@ def test_cli_unreachable_endpoint_is_one_clear_line(folder, tmp_path, monkeypatc
     assert result.returncode == 2
     assert 'Traceback' not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f'timm-affinediv push: error: cannot reach the Hub at {endpoint}'), lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f'timm-affinediv push: error: cannot reach the Hub at {endpoint}'), lines
     assert TOKEN not in result.stderr + result.stdout
 
 

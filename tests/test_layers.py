@@ -7,9 +7,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm_affinediv import (
-    AffineDivLinear, L2Norm, L2Norm2d, L2NormLinear, PatchNorm2d, PatchNormConv2d, divergence_constant,
-    update_factor)
-
+    AffineDivLinear,
+    L2Norm,
+    L2Norm2d,
+    L2NormLinear,
+    PatchNorm2d,
+    PatchNormConv2d,
+    divergence_constant,
+    update_factor,
+)
 
 
 @pytest.fixture(autouse=True)

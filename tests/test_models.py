@@ -7,8 +7,15 @@ from timm.layers import create_norm_act_layer, create_norm_layer, get_norm_layer
 
 import timm_affinediv
 from timm_affinediv import (
-    AffineDivLinear, PatchNorm, PatchNorm2d, PatchNormAct2d, PatchNormConv2d, bind_patchnorm, describe_slots,
-    update_factor)
+    AffineDivLinear,
+    PatchNorm,
+    PatchNorm2d,
+    PatchNormAct2d,
+    PatchNormConv2d,
+    bind_patchnorm,
+    describe_slots,
+    update_factor,
+)
 
 RESNETS = ['resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet50d', 'resnext50_32x4d', 'seresnet50',
            'wide_resnet50_2']
@@ -123,7 +130,9 @@ def test_batchnorm_model_shows_a_varying_factor():
     spreads = []
     for b in bindings:
         conv, norm = modules[b.producer], modules[b.slot]
-        out_fn = lambda: norm(conv(inputs[b.producer]))
+
+        def out_fn():
+            return norm(conv(inputs[b.producer]))
         factors = torch.stack([update_factor(out_fn, [conv.weight], index) for index in _indices(out_fn(), 1)])
         spreads.append(((factors[0] - factors[1]).abs() / factors.abs().amax(0)).median())
     assert min(spreads) > 0.1, 'BatchNorm leaves a per-sample, per-position factor'

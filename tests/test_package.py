@@ -21,10 +21,12 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=Path(sys.executable).parent)
 
 
-@pytest.mark.skipif(not WHEEL_RUN, reason='make test and CI run the tests against the installed wheel; a checkout may not')
+@pytest.mark.skipif(not WHEEL_RUN,
+                    reason='make test and CI run the tests against the installed wheel; a checkout may not')
 def test_ci_imports_the_installed_package_not_the_checkout():
     package = Path(timm_affinediv.__file__).resolve()
-    assert not package.is_relative_to(CHECKOUT / 'timm_affinediv'), f'{package} is the checkout: install the wheel (make test)'
+    assert not package.is_relative_to(CHECKOUT / 'timm_affinediv'), \
+        f'{package} is the checkout: install the wheel (make test)'
     dist = importlib.metadata.distribution('timm-affinediv')
     assert dist.version == timm_affinediv.__version__
     assert not dist.read_text('direct_url.json') or '"editable": true' not in dist.read_text('direct_url.json')

@@ -20,7 +20,8 @@ CHECKS = ['test_model_forward', 'test_model_backward', 'test_model_forward_torch
           'test_model_forward_fx_torchscript', 'test_model_forward_features', 'test_model_forward_intermediates']
 # what fits the CI time: every check on the small builds; on resnet50d (timm's bottleneck and deep-stem code, slow
 # at its 224 px) and on affinediv the scripting and tracing checks, the ones a layer's Python can break
-SCRIPTING_CHECKS = ['test_model_forward_torchscript', 'test_model_forward_fx_torchscript', 'test_model_forward_features']
+SCRIPTING_CHECKS = ['test_model_forward_torchscript', 'test_model_forward_fx_torchscript',
+                    'test_model_forward_features']
 CASES = [(model, norm, check) for model, norm, checks in [
     ('resnet18', 'patchnorm', CHECKS), ('convnext_atto', 'patchnorm', CHECKS),
     ('resnet50d', 'patchnorm', SCRIPTING_CHECKS), ('resnet18', 'affinediv', SCRIPTING_CHECKS),

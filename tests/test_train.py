@@ -15,11 +15,22 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from timm_affinediv.data import (
-    FASHION_MNIST_DIR, DataError, FashionMNIST, create_image_dataset, create_train_loader,
-    resolve_dataset_data_config, set_loader_epoch,
+    FASHION_MNIST_DIR,
+    DataError,
+    FashionMNIST,
+    create_image_dataset,
+    create_train_loader,
+    resolve_dataset_data_config,
+    set_loader_epoch,
 )
 from timm_affinediv.train import (
-    CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, Trainer, TrainingInterrupted, evaluate,
+    CheckpointError,
+    ConfigError,
+    NonFiniteLossError,
+    TrainConfig,
+    Trainer,
+    TrainingInterrupted,
+    evaluate,
 )
 
 TINY = dict(channels=(16, 32, 64, 128), stem_width=16)  # a narrow resnet18: fast on 2 CPU cores
@@ -313,7 +324,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 def test_cli_bad_input_exits_with_message(tmp_path, capfd):
     proc = subprocess.run(
-        [sys.executable, '-m', 'timm_affinediv', 'finetune', '--dataset', '', '--data-dir', str(tmp_path / 'missing'), '--output',
+        [sys.executable, '-m', 'timm_affinediv', 'finetune', '--dataset', '', '--data-dir', str(tmp_path / 'missing'),
+         '--output',
          str(tmp_path / 'out')], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and 'does not exist' in proc.stderr
 

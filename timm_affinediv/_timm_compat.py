@@ -64,7 +64,8 @@ def wrap_init_model_traits(wrap: Callable[[Callable], Callable], marker: str) ->
     `wrap(step)`, once: a step carrying the attribute `marker` is already wrapped."""
     step = getattr(_builder, '_init_model_traits', None)
     if step is None:
+        low, high = TESTED_TIMM
         raise TimmVersionError(f"this timm ({timm.__version__}) has no model-builder traits step, where "
-                               f'timm_affinediv binds patchnorm slots: install timm>={TESTED_TIMM[0]},<{TESTED_TIMM[1]}')
+                               f'timm_affinediv binds patchnorm slots: install timm>={low},<{high}')
     if not getattr(step, marker, False):
         _builder._init_model_traits = wrap(step)

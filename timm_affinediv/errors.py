@@ -7,7 +7,8 @@ line prints any of them as one line and exits with status 2 (`timm_affinediv.cli
 """
 __all__ = [
     'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',
-    'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError', 'DeviceError']
+    'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError',
+    'DeviceError']
 
 
 class AffineDivError(Exception):

@@ -10,8 +10,6 @@ model's to `tolerance`, measured as the relative error
 An export whose numbers differ raises `ExportError` and leaves nothing at `path`: the file is written to a
 temporary path beside it and renamed into place only once validated, so no export can silently change a result.
 """
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Tuple, Union
 

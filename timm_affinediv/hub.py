@@ -19,9 +19,7 @@ would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeX
 import importlib.resources
 import json
 import os
-import shutil
 import string
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping

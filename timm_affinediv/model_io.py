@@ -12,8 +12,8 @@ import torch.nn as nn
 
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
-from .errors import CheckpointError, MissingFileError
 from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
+from .errors import CheckpointError, MissingFileError
 from .hub import model_card_template, save_hub_folder
 from .train import evaluate
 
@@ -37,15 +37,17 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
             raise ConversionError(f'{model} gets its weights from {"timm" if pretrained else "there"}: '
                                   'drop --checkpoint (or --pretrained).')
         if pretrained and not timm.is_model(model):
-            raise ConversionError(f"unknown model '{model}': give a timm model name (timm.list_models(pretrained=True)).")
+            raise ConversionError(
+                f"unknown model '{model}': give a timm model name (timm.list_models(pretrained=True)).")
         try:
             return timm.create_model(model, pretrained=True, **kwargs).eval()
         except (RuntimeError, ValueError) as e:  # timm: 'No pretrained weights exist ...', weights that do not fit
-            raise ConversionError(f'cannot load the weights of {model} {kwargs or ""}: {" ".join(str(e).split())}') from e
+            message = ' '.join(str(e).split())
+            raise ConversionError(f'cannot load the weights of {model} {kwargs or ""}: {message}') from e
         except OSError as e:  # the Hub cannot be reached (offline), a missing local folder or file
             raise ConversionError(
-                f'cannot fetch the weights of {model} ({type(e).__name__}: {" ".join(str(e).split())}). Without network '
-                'access, download them elsewhere and pass local-dir:PATH or --checkpoint FILE.') from e
+                f'cannot fetch the weights of {model} ({type(e).__name__}: {" ".join(str(e).split())}). Without '
+                'network access, download them elsewhere and pass local-dir:PATH or --checkpoint FILE.') from e
     if not timm.is_model(model):
         raise ConversionError(f"unknown model '{model}': give a timm model name (timm.list_models()), "
                               'hf-hub:org/name or local-dir:PATH.')
@@ -137,7 +139,8 @@ def convert_to_folder(
         model_args=get_model_args(converted),
         card=dict(base_model=base_model, datasets=[hub_dataset(dataset, data_dir)],
                   dataset_name='Fashion-MNIST' if is_fashion_mnist(dataset) else dataset or Path(data_dir).name,
-                  eval_set=describe_split(eval_loader.dataset, dataset or data_dir, 'validation') if evaluated else None,
+                  eval_set=describe_split(eval_loader.dataset, dataset or data_dir,
+                                          'validation') if evaluated else None,
                   recipe=recipe, norm_layer=norm, model_name=f'{report.architecture}-{norm}',
                   base_model_description=base_model_description or (
                       None if base_model else f'converted from a trained `{report.architecture}`, not on the Hub')),

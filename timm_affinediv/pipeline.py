@@ -17,8 +17,8 @@ from ._timm_compat import get_model_args
 from .cli import refuse_existing_output
 from .data import is_fashion_mnist
 from .hub import PLOT_NAME, model_card_template, save_hub_folder
-from .train import TrainConfig, Trainer, TrainResult
 from .model_io import convert_to_folder, hub_dataset, load_trained_model
+from .train import TrainConfig, Trainer, TrainResult
 
 __all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1', 'train_config']
 

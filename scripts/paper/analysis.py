@@ -6,7 +6,7 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
-from .models import BATCH_VARIANTS, CONV_MODELS, LABELS, MLP_VARIANTS
+from .models import CONV_MODELS, LABELS, MLP_VARIANTS
 from .runs import RunResult, Setting
 
 __all__ = ['t_quantile', 'slope_interval', 'summary_row', 'ANALYSES', 'plot']

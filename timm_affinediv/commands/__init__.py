@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         description='The Affine Divergence (ICLR 2026 GRaM workshop) layers for timm: convert, fine-tune, publish, '
                     'export and measure.',
         epilog='commands:\n' + '\n'.join(f'  {name:20s}{text}' for name, (_, text) in COMMANDS.items())
-               + '\n\n`timm-affinediv COMMAND --help` shows the command\'s options, their defaults and an example, e.g.\n'
+               + "\n\n`timm-affinediv COMMAND --help` shows the command's options, their defaults and an example, "
+               'e.g.\n'
                '  timm-affinediv pipeline --output runs/demo\n\n'
                'The benchmarks and the paper experiments are scripts of the source tree: scripts/*.py.')
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')

@@ -13,31 +13,38 @@ import sys
 from pathlib import Path
 
 from timm.data import resolve_model_data_config
-from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
+from timm_affinediv.cli import (
+    add_model_args,
+    create_model_kwargs,
+    norm_name,
+    positive_float,
+    positive_int,
+    refuse_existing_output,
+    run_main,
+)
+from timm_affinediv.commands import command_parser
 from timm_affinediv.export import DEFAULT_OPSET, ExportError, export_onnx
 from timm_affinediv.model_io import load_trained_model
-from timm_affinediv.cli import model_name, norm_name, positive_float, positive_int, refuse_existing_output, run_main
-from timm_affinediv.commands import command_parser
 
 
 def main(argv=None) -> int:
     parser = command_parser('export', __doc__)
-    parser.add_argument('--model', required=True, type=model_name, help='timm model name (with --checkpoint), hf-hub:org/name or local-dir:PATH')
-    parser.add_argument('--checkpoint', help='weights for a timm model name: .safetensors or a timm/PyTorch checkpoint')
-    parser.add_argument('--norm-layer', type=norm_name, help="norm_layer of the checkpoint's model (e.g. patchnorm, affinediv)")
-    parser.add_argument('--num-classes', type=positive_int, help='classes of the checkpoint (timm model name only)')
-    parser.add_argument('--in-chans', type=positive_int, help='input channels of the checkpoint (timm model name only)')
-    parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
-                        help='more timm.create_model arguments')
+    group = add_model_args(parser, checkpoint_type=str, help={
+        '--num-classes': 'classes of the checkpoint (timm model name only)',
+        '--in-chans': 'input channels of the checkpoint (timm model name only)'})
+    group.add_argument('--norm-layer', type=norm_name,
+                       help="norm_layer of the checkpoint's model (e.g. patchnorm, affinediv)")
     parser.add_argument('--img-size', type=positive_int, help="input height and width (default: the model's)")
     parser.add_argument('--output', required=True, help='the .onnx file to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing --output file')
     parser.add_argument('--opset', type=positive_int, default=DEFAULT_OPSET, help='ONNX opset (17 or newer)')
     parser.add_argument('--dynamo', action=argparse.BooleanOptionalAction, default=True,
-                        help="PyTorch's torch.export-based exporter (default), or --no-dynamo: the TorchScript-based one")
-    parser.add_argument('--batch-size', type=positive_int, default=4, help='validation batch (a second one is one larger)')
+                        help="PyTorch's torch.export-based exporter (default), or --no-dynamo: the TorchScript-based "
+                             'one')
+    parser.add_argument('--batch-size', type=positive_int, default=4,
+                        help='validation batch (a second one is one larger)')
     parser.add_argument('--tolerance', type=positive_float, default=1e-5, help='largest relative error accepted')
     args = parser.parse_args(argv)
     if not args.overwrite:
@@ -45,11 +52,8 @@ def main(argv=None) -> int:
     if args.opset < 17:
         parser.error(f'--opset {args.opset}: the layers need opset 17 or newer')
 
-    create_kwargs = dict(args.model_kwargs)
-    for key in ('norm_layer', 'num_classes', 'in_chans'):
-        if getattr(args, key) is not None:
-            create_kwargs[key] = getattr(args, key)
-    model = load_trained_model(args.model, args.checkpoint, **create_kwargs)
+    model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained,
+                               **create_model_kwargs(args, norm_layer=args.norm_layer))
     input_size = resolve_model_data_config(model)['input_size']
     if args.img_size:
         input_size = (input_size[0], args.img_size, args.img_size)

@@ -20,51 +20,61 @@ import torch
 from timm.optim import list_optimizers
 from timm.utils import ParseKwargs, setup_default_logging
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from timm_affinediv.cli import (  # noqa: E402
-    existing_dir, existing_path, non_negative_float, non_negative_int, norm_name, positive_float,
-    positive_int, refuse_existing_output, run_main, timm_model_name, unit_interval)
-from timm_affinediv.data import DataError  # noqa: E402
-from timm_affinediv.pipeline import final_top1, publish_run  # noqa: E402
-from timm_affinediv.train import (  # noqa: E402
-    NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted)
+from timm_affinediv.cli import (
+    add_data_args,
+    add_model_args,
+    existing_path,
+    non_negative_float,
+    non_negative_int,
+    norm_name,
+    positive_float,
+    positive_int,
+    refuse_existing_output,
+    run_main,
+    timm_model_name,
+    unit_interval,
+)
 from timm_affinediv.commands import command_parser
+from timm_affinediv.data import DataError
+from timm_affinediv.pipeline import final_top1, publish_run
+from timm_affinediv.train import NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted
 
 _logger = logging.getLogger('finetune')
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; each flag's `dest` is a `TrainConfig` field, but `--overwrite`."""
-    d = TrainConfig()
-    p = command_parser('finetune', __doc__)
-    g = p.add_argument_group('model')
-    g.add_argument('--model', default=d.model, type=timm_model_name, help=f'timm model name (default: {d.model})')
-    g.add_argument('--pretrained', action='store_true', help='start from timm pretrained weights')
-    g.add_argument('--initial-checkpoint', '--checkpoint', dest='initial_checkpoint', metavar='PATH', type=existing_path,
-                   help='weights to start from (.safetensors / .pth, or a Hub-format folder)')
-    g.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE',
-                   help='extra timm.create_model arguments, e.g. drop_rate=0.1')
+def add_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = add_model_args(
+        p, model_type=timm_model_name, default=d.model, checkpoint=('--initial-checkpoint', '--checkpoint'),
+        checkpoint_type=existing_path, model_kwargs_default={}, help={
+            '--model': f'timm model name (default: {d.model})',
+            '--pretrained': 'start from timm pretrained weights',
+            '--checkpoint': 'weights to start from (.safetensors / .pth, or a Hub-format folder)',
+            '--num-classes': 'classes of the head; a head that does not match is replaced by a new one',
+            '--in-chans': 'image channels for image folders (Fashion-MNIST: 1)',
+            '--model-kwargs': 'extra timm.create_model arguments, e.g. drop_rate=0.1'})
     g.add_argument('--norm-layer', type=norm_name, help="norm layer passed to timm.create_model (e.g. 'patchnorm')")
-    g.add_argument('--num-classes', type=positive_int,
-                   help="classes of the head; a head that does not match is replaced by a new one")
-    g.add_argument('--in-chans', type=positive_int, help='image channels for image folders (Fashion-MNIST: 1)')
-    g = p.add_argument_group('data')
-    g.add_argument('--dataset', default=d.dataset, help="'fashion-mnist' (built in), or '' for an image folder")
-    g.add_argument('--data-dir', type=existing_dir, help='data folder (default for Fashion-MNIST: /usr/share/datasets/fashion-mnist)')
+
+
+def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    g = add_data_args(p, default=d.dataset, any_dataset=True)
     g.add_argument('--train-split', default=d.train_split)
     g.add_argument('--val-split', default=d.val_split)
-    g.add_argument('--img-size', type=positive_int, help='input size (default: 32 for Fashion-MNIST, else the model\'s)')
+    g.add_argument('--img-size', type=positive_int,
+                   help='input size (default: 32 for Fashion-MNIST, else the model\'s)')
     g.add_argument('--train-subset', type=positive_int, help='train on a fixed random subset of N images')
     g.add_argument('--val-subset', type=positive_int, help='evaluate on a fixed random subset of N images')
     g.add_argument('-b', '--batch-size', type=positive_int, default=d.batch_size, help='batch size per process')
     g.add_argument('-vb', '--validation-batch-size', type=positive_int)
-    g.add_argument('-j', '--workers', type=non_negative_int, default=d.workers, help='data loading processes per process')
+    g.add_argument('-j', '--workers', type=non_negative_int, default=d.workers,
+                   help='data loading processes per process')
     g.add_argument('--no-aug', action='store_true', help='no training augmentation')
     g.add_argument('--scale', type=unit_interval, nargs=2, default=d.scale, metavar=('MIN', 'MAX'),
                    help='random resized crop area range')
     g.add_argument('--hflip', type=unit_interval, default=d.hflip)
     g.add_argument('--color-jitter', type=non_negative_float, default=d.color_jitter)
+
+
+def add_optimisation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group('optimisation')
     g.add_argument('--epochs', type=positive_int, default=d.epochs)
     g.add_argument('--opt', default=d.opt, choices=list_optimizers(), metavar='OPT',
@@ -87,22 +97,43 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--model-ema', action='store_true', help='keep (and publish) EMA weights')
     g.add_argument('--model-ema-decay', type=unit_interval, default=d.model_ema_decay)
     g.add_argument('--model-ema-warmup', action='store_true')
+
+
+def add_distillation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group('distillation')
-    g.add_argument('--teacher', type=timm_model_name, help='timm model name of the teacher (e.g. the unconverted model)')
-    g.add_argument('--teacher-checkpoint', metavar='PATH', type=existing_path, help='teacher weights (file or Hub-format folder)')
+    g.add_argument('--teacher', type=timm_model_name,
+                   help='timm model name of the teacher (e.g. the unconverted model)')
+    g.add_argument('--teacher-checkpoint', metavar='PATH', type=existing_path,
+                   help='teacher weights (file or Hub-format folder)')
     g.add_argument('--teacher-kwargs', nargs='*', default={}, action=ParseKwargs, metavar='KEY=VALUE')
     g.add_argument('--distill-weight', type=unit_interval, default=d.distill_weight, help='weight of the KD loss, 0..1')
     g.add_argument('--distill-temperature', type=positive_float, default=d.distill_temperature)
+
+
+def add_run_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g = p.add_argument_group('run')
     g.add_argument('--seed', type=int, default=d.seed)
     g.add_argument('--device', help="'cpu' or 'cuda' (default: cuda if available)")
     g.add_argument('--output', default=d.output, help='output folder (checkpoints, logs, model.safetensors)')
     g.add_argument('--overwrite', action='store_true',
                    help='write into an --output that holds an earlier run (its files of the same names are replaced)')
-    g.add_argument('--resume', metavar='PATH', type=existing_path, help='continue from a run folder or checkpoint folder')
+    g.add_argument('--resume', metavar='PATH', type=existing_path,
+                   help='continue from a run folder or checkpoint folder')
     g.add_argument('--checkpoint-hist', type=positive_int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
     g.add_argument('--log-interval', type=positive_int, default=d.log_interval, help='updates between loss checks')
     g.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bars')
+
+
+#: The flag groups of the command line, in --help order; each adds flags whose `dest` is a `TrainConfig` field.
+FLAG_GROUPS = (add_model_group, add_data_group, add_optimisation_group, add_distillation_group, add_run_group)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; each flag's `dest` is a `TrainConfig` field, but `--overwrite`."""
+    d = TrainConfig()
+    p = command_parser('finetune', __doc__)
+    for add_group in FLAG_GROUPS:
+        add_group(p, d)
     return p
 
 

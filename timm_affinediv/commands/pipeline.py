@@ -10,13 +10,17 @@ import json
 import logging
 import sys
 
-from timm.utils import ParseKwargs
-
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
-from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import (
-    existing_file, non_negative_int, positive_float, positive_int, run_main, timm_model_name,
-    unit_interval)
+    add_model_args,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    run_main,
+    timm_model_name,
+    unit_interval,
+)
+from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import CONVERSION_NORMS
 from timm_affinediv.pipeline import PipelineConfig, run_pipeline
 
@@ -25,14 +29,16 @@ def main(argv=None) -> int:
     defaults = PipelineConfig()
     parser = command_parser('pipeline', __doc__)
     parser.add_argument('--output', default=defaults.output)
-    parser.add_argument('--model', default=defaults.model, type=timm_model_name)
-    parser.add_argument('--model-kwargs', nargs='*', action=ParseKwargs, metavar='KEY=VALUE',
-                        help=f'timm.create_model arguments (default: {defaults.model_kwargs} for the default model)')
-    parser.add_argument('--checkpoint', type=existing_file, help='trained BatchNorm weights; without it a baseline is trained here')
+    add_model_args(parser, model_type=timm_model_name, default=defaults.model, pretrained=False, head=False, help={
+        '--model': 'timm model name',
+        '--model-kwargs': f'timm.create_model arguments (default: {defaults.model_kwargs} for the default model)',
+        '--checkpoint': 'trained BatchNorm weights; without it a baseline is trained here'})
     parser.add_argument('--norm', default=defaults.norm, choices=CONVERSION_NORMS)
     for name, kind in (('train_subset', positive_int), ('val_subset', positive_int), ('baseline_epochs', positive_int),
-                       ('finetune_epochs', positive_int), ('batch_size', positive_int), ('calib_batches', non_negative_int),
-                       ('workers', non_negative_int), ('seed', int), ('lr', positive_float), ('finetune_lr', positive_float),
+                       ('finetune_epochs', positive_int), ('batch_size', positive_int), ('calib_batches',
+                                                                                         non_negative_int),
+                       ('workers', non_negative_int), ('seed', int), ('lr', positive_float), ('finetune_lr',
+                                                                                              positive_float),
                        ('distill_weight', unit_interval), ('distill_temperature', positive_float)):
         parser.add_argument('--' + name.replace('_', '-'), type=kind, default=getattr(defaults, name))
     parser.add_argument('--overwrite', action='store_true', help='replace the output folders of an earlier run')
@@ -42,7 +48,8 @@ def main(argv=None) -> int:
         args['model_kwargs'] = defaults.model_kwargs if args['model'] == defaults.model else {}
     summary = run_pipeline(PipelineConfig(**args))
     print(json.dumps(summary, indent=2))
-    print(f"publish-ready folder: {args['output']}/model  (timm-affinediv push {args['output']}/model --repo-id ORG/NAME)")
+    folder = f"{args['output']}/model"
+    print(f'publish-ready folder: {folder}  (timm-affinediv push {folder} --repo-id ORG/NAME)')
     return 0
 
 

@@ -7,8 +7,8 @@ printed. HF_ENDPOINT selects another Hub endpoint.
 """
 import sys
 
-from timm_affinediv.commands import command_parser
 from timm_affinediv.cli import existing_dir, run_main
+from timm_affinediv.commands import command_parser
 from timm_affinediv.hub import push_to_hub
 
 

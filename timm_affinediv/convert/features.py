@@ -40,7 +40,8 @@ def _positions(keep: torch.Tensor, height: int, width: int) -> Tuple[torch.Tenso
     return image, at.div(width, rounding_mode='floor'), at.remainder(width)
 
 
-def patch_features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor], shift: bool = False) -> torch.Tensor:
+def patch_features(layer: nn.Module, x: torch.Tensor, keep: Optional[torch.Tensor],
+                   shift: bool = False) -> torch.Tensor:
     """ `u = [P; 1] / s(P)` at the output positions `keep` (all if None), and a constant 1 after it for a slot's
     shift if `shift`: (groups, positions, K (+1) (+1)), a patch's features in (kh, kw, C) order (`fit_order`).
 

@@ -4,4 +4,11 @@ from .binding import bind_patchnorm, describe_slots, divergence_corrected
 from .norm import L2Norm, L2Norm2d, L2NormLinear, l2_normalise
 from .register import register
 from .slot import (
-    AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d, SlotBinding)
+    AffineDivNorm,
+    AffineDivNorm2d,
+    AffineDivNormAct2d,
+    PatchNorm,
+    PatchNorm2d,
+    PatchNormAct2d,
+    SlotBinding,
+)

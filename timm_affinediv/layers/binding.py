@@ -26,11 +26,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from timm.layers import get_notrace_functions, get_notrace_modules
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import SlotLayoutError
 from .._timm_compat import get_model_input_config
+from ..errors import SlotLayoutError
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .slot import PatchNormSlot, SlotBinding
 
@@ -226,7 +226,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
 
     all_affine = [slot for slot in slots.values() if slot.corrects_all_affine]
     if all_affine:
-        for path, count in calls.items():
+        for path in calls:
             if type(modules[path]) in _AFFINE_TYPES:
                 correct(path, all_affine[0].scale)
     return [slots[name].binding for name in slots]

@@ -1,7 +1,14 @@
 """Training and fine-tuning timm models (PatchNorm or any other): `Trainer` runs the epochs, the rest is its parts."""
 from .checkpoint import resolve_checkpoint
 from .config import (
-    CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, TrainingError, TrainingInterrupted, TrainResult)
+    CheckpointError,
+    ConfigError,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingError,
+    TrainingInterrupted,
+    TrainResult,
+)
 from .distill import DistillationLoss, create_teacher
 from .metrics import evaluate, plot_history
 from .trainer import Trainer, create_train_model

@@ -8,8 +8,7 @@ import json
 import os
 import random
 import shutil
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator
+from typing import Any, Dict
 
 import numpy as np
 import timm

@@ -96,7 +96,8 @@ class TrainConfig:
             (self.amp_dtype in (None, *AMP_DTYPES), f"amp-dtype must be one of {list(AMP_DTYPES)}, "
                                                        f"got '{self.amp_dtype}'"),
             (self.num_classes is None or self.num_classes >= 1, f'num-classes must be >= 1, got {self.num_classes}'),
-            (self.train_subset is None or self.train_subset >= 1, f'train-subset must be >= 1, got {self.train_subset}'),
+            (self.train_subset is None or self.train_subset >= 1,
+             f'train-subset must be >= 1, got {self.train_subset}'),
             (self.val_subset is None or self.val_subset >= 1, f'val-subset must be >= 1, got {self.val_subset}'),
             (self.log_interval >= 1, f'log-interval must be >= 1, got {self.log_interval}'),
             (self.checkpoint_hist >= 1, f'checkpoint-hist must be >= 1, got {self.checkpoint_hist}'),

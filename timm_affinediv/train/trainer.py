@@ -36,16 +36,38 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .._io import atomic_dir, atomic_write
-from ..layers.binding import bind_patchnorm
 from ..data import (
-    create_eval_loader, create_train_loader, dataset_num_classes, describe_split, is_fashion_mnist,
-    resolve_dataset_data_config, set_loader_epoch,
+    create_eval_loader,
+    create_train_loader,
+    dataset_num_classes,
+    describe_split,
+    is_fashion_mnist,
+    resolve_dataset_data_config,
+    set_loader_epoch,
 )
+from ..layers.binding import bind_patchnorm
 from .checkpoint import (
-    CHECKPOINT_FORMAT, _EMA_FILE, _MODEL_FILE, _STATE_FILE, _load_weights,
-    _read_weights, _rng_state, _save_safetensors, _set_rng_state, prune_checkpoints, resolve_checkpoint)
+    _EMA_FILE,
+    _MODEL_FILE,
+    _STATE_FILE,
+    CHECKPOINT_FORMAT,
+    _load_weights,
+    _read_weights,
+    _rng_state,
+    _save_safetensors,
+    _set_rng_state,
+    prune_checkpoints,
+    resolve_checkpoint,
+)
 from .config import (
-    AMP_DTYPES, CheckpointError, ConfigError, NonFiniteLossError, TrainConfig, TrainingInterrupted, TrainResult)
+    AMP_DTYPES,
+    CheckpointError,
+    ConfigError,
+    NonFiniteLossError,
+    TrainConfig,
+    TrainingInterrupted,
+    TrainResult,
+)
 from .distill import DistillationLoss, create_teacher
 from .distributed import init_distributed
 from .metrics import evaluate, write_metrics
