@@ -12,7 +12,7 @@ SOURCES := pyproject.toml LICENSE README.md $(wildcard timm_affinediv/*.py timm_
 BIN := $(abspath $(VENV))/bin
 TIMM_TESTS := .timm-tests
 
-.PHONY: setup wheel demo test bench timm-tests
+.PHONY: setup wheel demo lint test bench timm-tests
 
 setup: $(VENV)/.installed $(FASHION_MNIST) timm-tests
 
@@ -46,8 +46,12 @@ $(FASHION_MNIST):
 demo: setup
 	$(BIN)/timm-affinediv pipeline --output runs/demo --overwrite
 
+# ruff (the dev extra) on the package, the tests and the scripts; its settings are in pyproject.toml
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+
 # from an empty directory, so that only the installed package can be imported
-test: setup
+test: setup lint
 	cd "$$(mktemp -d)" && TIMM_AFFINEDIV_WHEEL_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
 
 bench: setup

@@ -10,6 +10,7 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv.cli import ArgumentParser, add_data_args
 from timm_affinediv.commands import main
 from timm_affinediv.layers.binding import SlotLayoutError
 
@@ -44,7 +45,8 @@ def finished_run(tmp_path) -> Path:
 
 @pytest.mark.parametrize('argv, message', [
     (('--calib-batches', '-1'), 'argument --calib-batches: -1 is not an integer >= 0'),
-    (('--calib-data', 'no/such/folder'), 'argument --calib-data: no/such/folder does not exist'),
+    (('--data-dir', 'no/such/folder'), 'argument --data-dir: no/such/folder does not exist'),
+    (('--dataset', 'imagenet'), "argument --dataset: unknown dataset 'imagenet'"),
     (('--model', 'local-dir:no/such/folder'), 'argument --model: no/such/folder does not exist'),
     (('--model', 'resnet18', '--checkpoint', 'missing.safetensors'),
      'argument --checkpoint: missing.safetensors does not exist'),
@@ -94,10 +96,34 @@ def test_divergence_report_bad_arguments(argv, message, capsys):
 
 def test_divergence_report_keeps_an_earlier_report(tmp_path, capsys):
     (tmp_path / 'report.md').write_text('earlier')
-    line = _run('report', '--model', 'resnet18', '--data', 'random', '--output', str(tmp_path),
+    line = _run('report', '--model', 'resnet18', '--dataset', 'random', '--output', str(tmp_path),
                 capsys=capsys)
     assert 'holds earlier results (report.md)' in line
     assert _snapshot(tmp_path) == {Path('report.md'): b'earlier'}
+
+
+def test_old_data_flags_still_work_with_one_deprecation_line_each(tmp_path, capsys):
+    """--data/--data-root (report, experiments) and --calib-data (convert) are the earlier names of --dataset and
+    --data-dir: accepted, hidden from --help, one warning line each."""
+    (tmp_path / 'report.md').write_text('earlier')
+    status = main(['report', '--model', 'resnet18', '--data', 'random', '--data-root', str(tmp_path),
+                   '--output', str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and lines == [
+        'timm-affinediv report: warning: --data is deprecated and goes in the next version; use --dataset random',
+        'timm-affinediv report: warning: --data-root is deprecated and goes in the next version; use --data-dir',
+        f'timm-affinediv report: error: {tmp_path} holds earlier results (report.md); pass --overwrite to replace '
+        'them, or choose another --output.'], lines
+
+    parser = ArgumentParser(prog='p')
+    add_data_args(parser, old_source_flags=('--calib-data',), old_dir_flags=('--data-root',))
+    args = parser.parse_args(['--calib-data', str(tmp_path)])  # a folder: an image folder dataset
+    assert (args.dataset, args.data_dir) == ('', str(tmp_path))
+    args = parser.parse_args(['--calib-data', 'fashion-mnist', '--data-root', str(tmp_path)])
+    assert (args.dataset, args.data_dir) == ('fashion-mnist', str(tmp_path))
+    assert parser.parse_args([]).dataset == 'fashion-mnist'
+    assert capsys.readouterr().err.count('deprecated') == 3
+    assert '--calib-data' not in parser.format_help() and '--data-dir' in parser.format_help()
 
 
 def test_pipeline_and_experiments_keep_earlier_results(finished_run, tmp_path, capsys, run_script):

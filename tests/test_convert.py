@@ -292,7 +292,7 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
     status = convert_command([
         '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
         f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
-        '--calib-data', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
+        '--dataset', '', '--data-dir', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
         '--device', 'cpu', '--output', str(tmp_path / 'out')])
     assert status == 0 and (tmp_path / 'out' / 'model.safetensors').is_file()
     images = torch.cat(seen)

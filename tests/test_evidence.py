@@ -114,7 +114,7 @@ def test_report_refuses_bad_input():
 
 def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path, capsys):
     script = _script('report')
-    assert script.main(['--model', 'resnet10t', '--norm', 'patchnorm', '--data', 'random', '--batch-size', '4',
+    assert script.main(['--model', 'resnet10t', '--norm', 'patchnorm', '--dataset', 'random', '--batch-size', '4',
                         '--in-chans', '1', '--img-size', '32', '--samples', '2', '--positions', '1',
                         '--output', str(tmp_path)]) == 0
     record = json.loads((tmp_path / 'report.json').read_text())
@@ -139,16 +139,16 @@ def _report_status(argv: list) -> int:
 def test_divergence_report_script_measures_given_weights_or_refuses(tmp_path, capsys):
     model = timm.create_model('resnet10t', num_classes=5)
     torch.save(model.state_dict(), tmp_path / 'weights.pth')
-    argv = ['--model', 'resnet10t', '--num-classes', '5', '--data', 'random', '--img-size', '40', '--batch-size', '2',
-            '--samples', '1', '--positions', '1', '--output', str(tmp_path / 'out')]
+    argv = ['--model', 'resnet10t', '--num-classes', '5', '--dataset', 'random', '--img-size', '40',
+            '--batch-size', '2', '--samples', '1', '--positions', '1', '--output', str(tmp_path / 'out')]
     assert _report_status(argv + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 0
     record = json.loads((tmp_path / 'out' / 'report.json').read_text())
     assert record['weights'] == 'trained weights' and record['input_shape'] == [3, 40, 40]
     # weights that do not fit, or are not there: an error, never a random model measured instead
-    assert _report_status(argv[:2] + ['--num-classes', '7'] + argv[4:] + ['--checkpoint',
-                                                                          str(tmp_path / 'weights.pth')]) == 2
+    other_head = argv[:2] + ['--num-classes', '7'] + argv[4:]
+    assert _report_status(other_head + ['--checkpoint', str(tmp_path / 'weights.pth')]) == 2
     assert _report_status(argv + ['--checkpoint', str(tmp_path / 'absent.pth')]) == 2
-    assert _report_status(['--model', f'local-dir:{tmp_path / "absent"}', '--data', 'random']) == 2
+    assert _report_status(['--model', f'local-dir:{tmp_path / "absent"}', '--dataset', 'random']) == 2
     assert capsys.readouterr().err.count('error:') == 3
 
 

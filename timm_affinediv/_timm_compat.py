@@ -34,7 +34,8 @@ def check_timm_version(version: Optional[str] = None) -> None:
     """Raise `TimmVersionError` unless timm `version` (default: the installed one) is in `TESTED_TIMM`."""
     version = timm.__version__ if version is None else version
     low, high = TESTED_TIMM
-    if Version(low) <= Version(version) < Version(high):
+    release = Version(Version(version).base_version)  # a pre-release of 1.1 is 1.1's code, not 1.0's
+    if Version(low) <= release < Version(high):
         return
     message = (f'timm {version} is not supported by timm-affinediv, which reaches into timm internals tested only '
                f'with timm>={low},<{high}: pip install "timm>={low},<{high}" (or set {ALLOW_UNTESTED_ENV}=1 to try)')

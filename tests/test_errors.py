@@ -1,0 +1,138 @@
+"""One error base for the package, its one-line report on the command line, the timm version check, atomic writes."""
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+
+import timm_affinediv  # noqa: F401
+from timm_affinediv import _timm_compat
+from timm_affinediv._io import atomic_dir, atomic_write
+from timm_affinediv.cli import USER_ERRORS, run_main
+from timm_affinediv.errors import (
+    AffineDivError,
+    CheckpointError,
+    ConfigError,
+    ConversionError,
+    DataError,
+    DeviceError,
+    ExportError,
+    HubError,
+    MissingFileError,
+    NonFiniteLossError,
+    SlotLayoutError,
+    TimmVersionError,
+    TrainingError,
+)
+from timm_affinediv.model_io import load_trained_model
+
+
+@pytest.mark.parametrize('error, builtin', [
+    (ConversionError, ValueError), (SlotLayoutError, ValueError), (DataError, RuntimeError),
+    (TrainingError, RuntimeError), (ConfigError, ValueError), (CheckpointError, RuntimeError),
+    (NonFiniteLossError, RuntimeError), (HubError, Exception), (ExportError, RuntimeError),
+    (MissingFileError, FileNotFoundError), (TimmVersionError, ImportError), (DeviceError, ValueError)])
+def test_every_error_is_an_affinediv_error_and_keeps_its_builtin(error, builtin):
+    assert issubclass(error, AffineDivError) and issubclass(error, builtin)
+    assert issubclass(error, USER_ERRORS)
+
+
+def test_old_import_locations_are_the_same_classes():
+    from timm_affinediv.convert import ConversionError as convert_error
+    from timm_affinediv.data import DataError as data_error
+    from timm_affinediv.export import ExportError as export_error
+    from timm_affinediv.hub import HubError as hub_error
+    from timm_affinediv.layers.binding import SlotLayoutError as slot_error
+    from timm_affinediv.train import CheckpointError as checkpoint_error
+    from timm_affinediv.train import TrainingError as training_error
+    assert (convert_error, data_error, export_error, hub_error, slot_error, checkpoint_error, training_error) == (
+        ConversionError, DataError, ExportError, HubError, SlotLayoutError, CheckpointError, TrainingError)
+
+
+def _failing(error):
+    def main(argv):
+        raise error
+    return main
+
+
+def test_run_main_reports_any_package_error_in_one_line(capsys, monkeypatch):
+    monkeypatch.delenv('TIMM_AFFINEDIV_DEBUG', raising=False)
+    for error in (ExportError('the export differs\nfrom eager'), HubError('no token'), MissingFileError('gone')):
+        assert run_main(_failing(error), [], prog='cmd') == 2
+        err = capsys.readouterr().err
+        assert err == f"cmd: error: {' '.join(str(error).split())}\n"
+    with pytest.raises(KeyError):  # a bug is not a user error: its traceback shows
+        run_main(_failing(KeyError('bug')), [], prog='cmd')
+
+
+def test_debug_env_shows_the_traceback(monkeypatch):
+    monkeypatch.setenv('TIMM_AFFINEDIV_DEBUG', '1')
+    with pytest.raises(ConversionError, match='cannot convert'):
+        run_main(_failing(ConversionError('cannot convert')), [], prog='cmd')
+    proc = subprocess.run([sys.executable, '-m', 'timm_affinediv', 'export', '--model', 'resnet18', '--checkpoint',
+                           'missing.pth', '--output', 'out.onnx'], capture_output=True, text=True, timeout=120,
+                          env={**__import__('os').environ, 'TIMM_AFFINEDIV_DEBUG': '1'})
+    assert proc.returncode == 1 and 'Traceback' in proc.stderr and 'MissingFileError' in proc.stderr
+
+
+def test_missing_checkpoint_is_a_missing_file_not_a_conversion_error(tmp_path):
+    with pytest.raises(MissingFileError, match='not found') as info:
+        load_trained_model('resnet18', str(tmp_path / 'absent.pth'))
+    assert isinstance(info.value, FileNotFoundError) and not isinstance(info.value, ConversionError)
+    (tmp_path / 'junk.pth').write_bytes(b'not a checkpoint')
+    with pytest.raises(CheckpointError):
+        load_trained_model('resnet18', str(tmp_path / 'junk.pth'))
+
+
+@pytest.mark.parametrize('version, ok', [
+    ('1.0.31', True), ('1.0.40', True), ('1.0.99.dev0', True), ('1.0.30', False), ('1.1.0', False),
+    ('1.1.0.dev0', False), ('0.9.16', False), ('2.0.0', False)])
+def test_untested_timm_is_refused_with_the_tested_range(version, ok, monkeypatch):
+    monkeypatch.delenv(_timm_compat.ALLOW_UNTESTED_ENV, raising=False)
+    monkeypatch.setattr(timm, '__version__', version)
+    if ok:
+        _timm_compat.check_timm_version()
+        return
+    with pytest.raises(TimmVersionError, match=rf'timm {version} is not supported.*timm>=1\.0\.31,<1\.1'):
+        _timm_compat.check_timm_version()
+    monkeypatch.setenv(_timm_compat.ALLOW_UNTESTED_ENV, '1')
+    with pytest.warns(UserWarning, match='not supported'):
+        _timm_compat.check_timm_version()
+
+
+def test_tested_range_is_the_declared_dependency():
+    from importlib.metadata import requires
+    timm_requirement = [r for r in requires('timm-affinediv') if r.startswith('timm')]
+    low, high = _timm_compat.TESTED_TIMM
+    assert timm_requirement == [f'timm<{high},>={low}'] or timm_requirement == [f'timm>={low},<{high}']
+
+
+def test_atomic_write_leaves_nothing_on_failure_and_replaces_whole(tmp_path):
+    path = tmp_path / 'f.txt'
+    atomic_write(path, 'first')
+    atomic_write(path, b'second')
+    assert path.read_text() == 'second'
+
+    def half_written(tmp):
+        open(tmp, 'w').write('half')
+        raise OSError('disk full')
+    with pytest.raises(OSError, match='disk full'):
+        atomic_write(path, half_written)
+    assert path.read_text() == 'second' and sorted(p.name for p in tmp_path.iterdir()) == ['f.txt']
+    atomic_write(tmp_path / 'w.pt', lambda tmp: torch.save({'x': 1}, tmp))
+    assert torch.load(tmp_path / 'w.pt') == {'x': 1}
+
+
+def test_atomic_dir_replaces_a_folder_or_leaves_it(tmp_path):
+    folder = tmp_path / 'out'
+    with atomic_dir(folder) as tmp:
+        (tmp / 'a').write_text('1')
+    with pytest.raises(RuntimeError):
+        with atomic_dir(folder) as tmp:
+            (tmp / 'b').write_text('2')
+            raise RuntimeError('interrupted')
+    assert [p.name for p in folder.iterdir()] == ['a'] and [p.name for p in tmp_path.iterdir()] == ['out']
+    with atomic_dir(folder) as tmp:
+        (tmp / 'b').write_text('2')
+    assert [p.name for p in folder.iterdir()] == ['b'] and [p.name for p in tmp_path.iterdir()] == ['out']
