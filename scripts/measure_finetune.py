@@ -19,12 +19,14 @@ def main(argv=None) -> int:
     parser = command_parser('measure-finetune', __doc__, prog='scripts/measure_finetune.py')
     parser.add_argument('run', nargs='?', default='runs/demo', type=existing_dir, help='the pipeline run (runs/demo)')
     parser.add_argument('--epochs', type=positive_int, default=2, help='epochs of fine-tuning (default 2)')
+    parser.add_argument('--train-subset', type=positive_int, default=PipelineConfig.train_subset,
+                        help='training images of each fine-tuning run')
     parser.add_argument('--overwrite', action='store_true', help='replace the results of an earlier measurement')
     args = parser.parse_args(argv)
     run, epochs = args.run, args.epochs
     if not args.overwrite:
         refuse_existing_output(Path(run) / 'measure')
-    cfg = PipelineConfig(output=run, val_subset=None)
+    cfg = PipelineConfig(output=run, val_subset=None, train_subset=args.train_subset)
     baseline = load_trained_model(f'local-dir:{Path(run) / "baseline"}')
     data_config = resolve_dataset_data_config('fashion-mnist', baseline, in_chans=1)
     test = create_eval_loader('fashion-mnist', None, data_config, 256, workers=0)

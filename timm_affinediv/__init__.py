@@ -4,6 +4,7 @@ Importing the package registers `norm_layer="patchnorm"` (and `l2norm`, `l2norm2
 """
 from .convert import ConversionError, ConversionReport, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
+from .errors import AffineDivError
 from .hub import HubError, push_to_hub, save_hub_folder
 from .layers.affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant, patch_sq_norm
 from .layers.binding import bind_patchnorm, describe_slots, divergence_corrected

@@ -43,6 +43,7 @@ _logger = logging.getLogger('finetune')
 
 
 def add_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The shared model flags (`timm_affinediv.cli.add_model_args`) and `--norm-layer`."""
     g = add_model_args(
         p, model_type=timm_model_name, default=d.model, checkpoint=('--initial-checkpoint', '--checkpoint'),
         checkpoint_type=existing_path, model_kwargs_default={}, help={
@@ -56,6 +57,7 @@ def add_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """`--dataset`/`--data-dir` (`timm_affinediv.cli.add_data_args`), splits, sizes, loading and augmentation."""
     g = add_data_args(p, default=d.dataset, any_dataset=True)
     g.add_argument('--train-split', default=d.train_split)
     g.add_argument('--val-split', default=d.val_split)
@@ -75,6 +77,7 @@ def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def add_optimisation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Epochs, timm's optimizer and scheduler, AMP, gradient accumulation and clipping, EMA."""
     g = p.add_argument_group('optimisation')
     g.add_argument('--epochs', type=positive_int, default=d.epochs)
     g.add_argument('--opt', default=d.opt, choices=list_optimizers(), metavar='OPT',
@@ -100,6 +103,7 @@ def add_optimisation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def add_distillation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """The teacher and the distillation loss."""
     g = p.add_argument_group('distillation')
     g.add_argument('--teacher', type=timm_model_name,
                    help='timm model name of the teacher (e.g. the unconverted model)')
@@ -111,6 +115,7 @@ def add_distillation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 
 def add_run_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Seed, device, output, resume and logging."""
     g = p.add_argument_group('run')
     g.add_argument('--seed', type=int, default=d.seed)
     g.add_argument('--device', help="'cpu' or 'cuda' (default: cuda if available)")
