@@ -1,4 +1,4 @@
-"""timm-affinediv: the layers of "The Affine Divergence" (ICLR 2026) for timm.
+"""timm-affinediv: the layers of "The Affine Divergence" (ICLR 2026 GRaM workshop) for timm.
 
 Importing the package registers `norm_layer="patchnorm"` (and `l2norm`, `l2norm2d`) with timm.
 """

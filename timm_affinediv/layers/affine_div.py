@@ -21,7 +21,8 @@ same function with plain operations every one of them supports: no autograd Func
 no `avg_pool2d(divisor_override=)` (which the dynamo ONNX exporter drops without an error) and no `vecdot`
 (which the TorchScript-based ONNX exporter lacks).
 
-Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026.
+Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026 GRaM workshop
+(arXiv 2512.22247).
 """
 from typing import Any, Dict, Optional, Tuple, Union
 
