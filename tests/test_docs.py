@@ -106,13 +106,13 @@ def _help_of(run) -> Tuple[int, str]:
     return int(status or 0), out.getvalue()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cli_help(command: Optional[str]) -> Tuple[int, str]:
     """(exit status, help text) of `timm-affinediv [COMMAND] --help`."""
     return _help_of(lambda: cli_main([command, '--help'] if command else ['--help']))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def script_help(name: str) -> Tuple[int, str]:
     """(exit status, help text) of `python scripts/NAME.py --help`, run in this process (the script's directory
     first on sys.path, as `python scripts/NAME.py` has it)."""
