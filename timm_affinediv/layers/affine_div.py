@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
+from .kernels import use_triton
+
 __all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'box_sum', 'channel_sq_norm',
            'sq_norm']
 
@@ -351,9 +353,16 @@ class _DivergenceCorrected:
         self.register_state_dict_post_hook(_drop_fused_slot_keys)
         self.register_load_state_dict_post_hook(_ignore_fused_slot_keys)
 
+    # whether the Triton path applies a fused `PatchNormAct2d`'s activation too (the slot then skips it)
+    applies_slot_activation = False
+
     def fuse_post_affine(self, slot: Optional[nn.Module]) -> None:
         """Apply `slot`'s per-channel affine after the division (None: stop applying one)."""
+        if self.fused_slot is not None:
+            self.fused_slot.activation_in_producer = False
         self.fused_slot = slot
+        if slot is not None:
+            slot.activation_in_producer = self.applies_slot_activation
 
     def named_modules(self, memo: Optional[set] = None, prefix: str = '', remove_duplicate: bool = True):
         """`nn.Module.named_modules` without the fused slot: it is listed where the model has it."""
@@ -396,6 +405,11 @@ class _DivergenceCorrected:
         else:
             y = torch.addcmul(post_bias.to(y.dtype).view(bias_shape), y, inv_s, out=y)
         return y.flatten(channel_dim, channel_dim + 1) if grouped else y
+
+    @torch.jit.unused
+    def _uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether this forward takes the fused Triton kernels (`kernels.dispatch`)."""
+        return use_triton(x)
 
     @torch.jit.unused
     def _wide_linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -448,6 +462,8 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, 'AffineDivLinear')
         weight, bias, post_bias = self._fused_params()
+        if not portable_ops() and self._uses_kernels(x):
+            return self._kernel_forward(x, weight, bias, post_bias)
         if self.out_features > self.in_features + 1:
             if portable_ops():
                 # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
@@ -457,6 +473,13 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
             y = self._wide_linear(x.reshape(-1, self.in_features), weight, bias, post_bias)
             return y.view(x.shape[:-1] + (self.out_features,))
         return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        post_bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from .kernels import functional  # here, not at the top: the kernels' ops use this module's box filter
+        return functional.affine_div_linear(
+            x, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps))
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -483,6 +506,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     group counts (depthwise included) and padding modes are exact: non-zero padding modes pad
     the input first, so the patches are what the convolution reads.
     """
+    applies_slot_activation = True
 
     def __init__(
             self,
@@ -543,6 +567,8 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             x = F.pad(x, pads, mode='constant' if self.padding_mode == 'zeros' else self.padding_mode)
             pads = [0, 0, 0, 0]
         weight, bias, post_bias = self._fused_params()
+        if not portable_ops() and self._uses_kernels(x):
+            return self._kernel_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
         if self._wide_pointwise and portable_ops():
             # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
             # sum into the convolution
@@ -576,6 +602,16 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
         x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
         return F.conv2d(x, weight, post_bias)
+
+    @torch.jit.unused
+    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        post_bias: Optional[torch.Tensor], padding: Tuple[int, int]) -> torch.Tensor:
+        """The forward on the fused Triton kernels, with the fused slot's activation where it can take it."""
+        from .kernels import functional  # here, not at the top: the kernels' ops use this module's box filter
+        act = functional.fused_activation(self.fused_slot)
+        return functional.patchnorm_conv2d(
+            x, weight, bias, post_bias, self.stride, padding, self.dilation, self.groups, self.divergence_constant,
+            _norm_offset(bias is not None, self.eps), act)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

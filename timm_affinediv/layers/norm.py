@@ -9,12 +9,15 @@ with `c = 1` (`scale="l2"`, the L2 normaliser `x / |x|`) or `c = n`, the number 
 (`scale="rms"`, the RMS normaliser `sqrt(n) x / |x|`, timm's `rmsnorm`). Norms in float32.
 `L2NormLinear` is the paper's "norm-like" layer: the normaliser fused right before an affine map.
 """
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-from .affine_div import _check_last_dim, _check_scale, at_least_float32
+from .affine_div import _check_last_dim, _check_scale, at_least_float32, portable_ops
+from .kernels import use_triton
 
 __all__ = ['L2Norm', 'L2Norm2d', 'L2NormLinear', 'l2_normalise']
 
@@ -26,8 +29,21 @@ def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6
         # TorchScript does not apply autocast
         return _normalise(x, dim, c, eps)
     else:
+        if not portable_ops():
+            out = _kernel_normalise(x, dim, c, eps)
+            if out is not None:
+                return out
         with torch.autocast(x.device.type, enabled=False):
             return _normalise(x, dim, c, eps)
+
+
+@torch.jit.unused
+def _kernel_normalise(x: torch.Tensor, dim: int, c: int, eps: float) -> Optional[torch.Tensor]:
+    """`l2_normalise` on the fused Triton kernels, or None where they do not apply (`kernels.dispatch`)."""
+    if not use_triton(x):
+        return None
+    from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
+    return functional.l2_normalise(x, dim, c, eps)
 
 
 def _normalise(x: torch.Tensor, dim: int, c: int, eps: float) -> torch.Tensor:

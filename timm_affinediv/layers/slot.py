@@ -25,7 +25,8 @@ from timm.layers import register_notrace_module
 from timm.layers.typing import LayerType
 
 from .._timm_compat import create_act
-from .affine_div import _check_scale
+from .affine_div import _check_scale, portable_ops
+from .kernels import use_triton
 from .norm import channel_affine, l2_normalise
 
 __all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
@@ -70,6 +71,8 @@ class PatchNormSlot(nn.Module):
         # plain bools, so torch.compile guards on them cheaply
         self.bound = False
         self.fused = False
+        # set by the producer's `fuse_post_affine`: whether its Triton path applies this slot's activation
+        self.activation_in_producer = False
 
     def bind(self, binding: SlotBinding, fused: bool = False) -> None:
         """Record the binding; `fused`: the producer applies this slot's affine (`fuse_post_affine`)."""
@@ -152,7 +155,16 @@ class PatchNormAct2d(PatchNorm2d):
         self.act = create_act(act_layer, act_kwargs=act_kwargs, inplace=inplace, apply_act=apply_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.drop(self.slot_forward(x)))
+        x = self.slot_forward(x)
+        if self.fused and self.activation_in_producer and not portable_ops() and self._activation_applied(x):
+            return x
+        return self.act(self.drop(x))
+
+    @torch.jit.unused
+    def _activation_applied(self, x: torch.Tensor) -> bool:
+        """Whether the fused producer's Triton kernel applied this slot's activation (and the dropout is none)."""
+        from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
+        return use_triton(x) and functional.fused_activation(self) != 'none'
 
 
 @register_notrace_module

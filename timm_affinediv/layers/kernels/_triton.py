@@ -1,0 +1,240 @@
+""" The Triton kernels of the fused path, and their launchers
+
+Every kernel walks a 4-D (N, C, H, W) tensor by its strides (NCHW and channels-last alike, strided views too) in
+tiles of `BP` positions times `BC` channels, accumulates in float32, and reads its per-position maps (one channel
+per group, `(N, G, H*W)` float32, contiguous) by the channel's group `c // CPG`. Rows of a matrix are the case
+`H = W = 1`. Imported on first use, after `TRITON_INTERPRET` is read (Triton reads it when a kernel is defined).
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
+_TILE = 2048  # elements a program's tile holds
+
+
+@triton.jit
+def _activation(z, ACT: tl.constexpr):
+    if ACT == 1:
+        z = tl.maximum(z, 0.)
+    elif ACT == 2:
+        z = 0.5 * z * (1. + tl.erf(z * 0.7071067811865476))
+    elif ACT == 3:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _activation_grad(z, ACT: tl.constexpr):
+    """d act(z) / dz."""
+    if ACT == 1:
+        d = tl.where(z > 0., 1., 0.)
+    elif ACT == 2:
+        d = 0.5 * (1. + tl.erf(z * 0.7071067811865476)) + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
+    elif ACT == 3:
+        s = tl.sigmoid(z)
+        d = s * (1. + z * (1. - s))
+    else:
+        d = tl.full(z.shape, 1., tl.float32)
+    return d
+
+
+@triton.jit
+def _spatial(p, W, stride_h, stride_w, FLAT: tl.constexpr):
+    """Element offset of flattened position `p`; `FLAT`: H and W are one dimension of stride `stride_w`."""
+    if FLAT:
+        return p.to(tl.int64) * stride_w
+    else:
+        return (p // W).to(tl.int64) * stride_h + (p % W).to(tl.int64) * stride_w
+
+
+@triton.jit
+def _channel_sq_norm_kernel(
+        x_ptr, sxn, sxc, sxh, sxw, q_ptr, C, P, W, CPG, G, NPB, alpha, beta,
+        BP: tl.constexpr, BC: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr):
+    """`q[n, g, p] = alpha * sum_{c in group g} x[n, c, p]^2 + beta`."""
+    pid = tl.program_id(0)
+    n = (pid // NPB).to(tl.int64)
+    p = (pid % NPB) * BP + tl.arange(0, BP)
+    p_mask = p < P
+    x_pos = n * sxn + _spatial(p, W, sxh, sxw, FLAT)
+    if GROUPED:
+        g = tl.program_id(1)
+        acc = tl.zeros([BP], tl.float32)
+        for c0 in range(0, CPG, BC):
+            local = c0 + tl.arange(0, BC)
+            c = g * CPG + local
+            mask = p_mask[:, None] & (local < CPG)[None, :]
+            v = tl.load(x_ptr + x_pos[:, None] + c[None, :].to(tl.int64) * sxc, mask=mask, other=0.).to(tl.float32)
+            acc += tl.sum(v * v, axis=1)
+        tl.store(q_ptr + (n * G + g) * P + p, acc * alpha + beta, mask=p_mask)
+    else:
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        mask = p_mask[:, None] & (c < C)[None, :]
+        v = tl.load(x_ptr + x_pos[:, None] + c[None, :].to(tl.int64) * sxc, mask=mask, other=0.).to(tl.float32)
+        tl.store(q_ptr + (n * C + c[None, :]) * P + p[:, None], v * v * alpha + beta, mask=mask)
+
+
+@triton.jit
+def _scale_kernel(
+        y_ptr, syn, syc, syh, syw, b_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw, out_ptr, son, soc, soh, sow,
+        C, P, W, CPG, G, NPB, alpha,
+        BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr,
+        ACT: tl.constexpr, FLAT: tl.constexpr):
+    """`out = act(base + alpha * y * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or `b`."""
+    pid = tl.program_id(0)
+    n = (pid // NPB).to(tl.int64)
+    p = (pid % NPB) * BP + tl.arange(0, BP)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (p < P)[:, None] & (c < C)[None, :]
+    c64 = c[None, :].to(tl.int64)
+    y = tl.load(y_ptr + (n * syn + _spatial(p, W, syh, syw, FLAT))[:, None] + c64 * syc, mask=mask, other=0.)
+    m = tl.load(b_ptr + (n * G + c[None, :] // CPG) * P + p[:, None], mask=mask, other=1.)
+    if RSQRT:
+        m = tl.rsqrt(m)
+    z = y.to(tl.float32) * m * alpha
+    if HAS_PB:
+        z += tl.load(pb_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
+    if HAS_BASE:
+        base = base_ptr + (n * sbn + _spatial(p, W, sbh, sbw, FLAT))[:, None] + c64 * sbc
+        z += tl.load(base, mask=mask, other=0.).to(tl.float32)
+    z = _activation(z, ACT)
+    out = out_ptr + (n * son + _spatial(p, W, soh, sow, FLAT))[:, None] + c64 * soc
+    tl.store(out, z.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_backward_kernel(
+        g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, pb_ptr, gy_ptr, son, soc, soh, sow,
+        t_ptr, pbp_ptr, C, P, W, CPG, G, NPB,
+        BP: tl.constexpr, BC: tl.constexpr, HAS_PB: tl.constexpr, ACT: tl.constexpr,
+        WRITE_PB: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr):
+    """ The output pass's backward, `out = act(y r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`:
+
+        ga = g act'(y r + pb),   dL/dy = ga r,   t[n, group, p] = r^3 sum_{c in group} ga y,
+        pbp[program, c] = sum over the program's positions of ga   (summed over programs: dL/dpb)
+    """
+    pid = tl.program_id(0)
+    n = (pid // NPB).to(tl.int64)
+    p = (pid % NPB) * BP + tl.arange(0, BP)
+    p_mask = p < P
+    g_pos = n * sgn + _spatial(p, W, sgh, sgw, FLAT)
+    y_pos = n * syn + _spatial(p, W, syh, syw, FLAT)
+    o_pos = n * son + _spatial(p, W, soh, sow, FLAT)
+    if GROUPED:
+        grp = tl.program_id(1)
+        r = tl.rsqrt(tl.load(b_ptr + (n * G + grp) * P + p, mask=p_mask, other=1.))
+        acc = tl.zeros([BP], tl.float32)
+        for c0 in range(0, CPG, BC):
+            local = c0 + tl.arange(0, BC)
+            c = grp * CPG + local
+            c_mask = local < CPG
+            mask = p_mask[:, None] & c_mask[None, :]
+            c64 = c[None, :].to(tl.int64)
+            g = tl.load(g_ptr + g_pos[:, None] + c64 * sgc, mask=mask, other=0.).to(tl.float32)
+            y = tl.load(y_ptr + y_pos[:, None] + c64 * syc, mask=mask, other=0.).to(tl.float32)
+            if ACT != 0:
+                z = y * r[:, None]
+                if HAS_PB:
+                    z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
+                g = g * _activation_grad(z, ACT)
+            tl.store(gy_ptr + o_pos[:, None] + c64 * soc, (g * r[:, None]).to(gy_ptr.dtype.element_ty), mask=mask)
+            acc += tl.sum(g * y, axis=1)
+            if WRITE_PB:
+                tl.store(pbp_ptr + pid.to(tl.int64) * C + c, tl.sum(g, axis=0), mask=c_mask)
+        tl.store(t_ptr + (n * G + grp) * P + p, acc * r * r * r, mask=p_mask)
+    else:
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        c_mask = c < C
+        mask = p_mask[:, None] & c_mask[None, :]
+        c64 = c[None, :].to(tl.int64)
+        map_pos = (n * C + c[None, :]) * P + p[:, None]
+        r = tl.rsqrt(tl.load(b_ptr + map_pos, mask=mask, other=1.))
+        g = tl.load(g_ptr + g_pos[:, None] + c64 * sgc, mask=mask, other=0.).to(tl.float32)
+        y = tl.load(y_ptr + y_pos[:, None] + c64 * syc, mask=mask, other=0.).to(tl.float32)
+        if ACT != 0:
+            z = y * r
+            if HAS_PB:
+                z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
+            g = g * _activation_grad(z, ACT)
+        tl.store(gy_ptr + o_pos[:, None] + c64 * soc, (g * r).to(gy_ptr.dtype.element_ty), mask=mask)
+        tl.store(t_ptr + map_pos, g * y * r * r * r, mask=mask)
+        if WRITE_PB:
+            tl.store(pbp_ptr + pid.to(tl.int64) * C + c, tl.sum(g, axis=0), mask=c_mask)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _flat(*tensors: torch.Tensor) -> bool:
+    """Whether H and W of every tensor are one dimension (stride_h = W * stride_w)."""
+    return all(t.shape[2] == 1 or t.stride(2) == t.shape[3] * t.stride(3) for t in tensors)
+
+
+def _tiles(channels: int, positions: int):
+    bc = min(_pow2(channels), 128)
+    bp = min(_pow2(positions), max(1, _TILE // bc))
+    return bp, bc
+
+
+def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float = 0.) -> torch.Tensor:
+    """`alpha * sum_{c in group} x^2 + beta` of an (N, C, H, W) tensor: (N, groups, H, W) float32, contiguous."""
+    n, c, h, w = x.shape
+    q = torch.empty((n, groups, h, w), device=x.device, dtype=torch.float32)
+    cpg, p = c // groups, h * w
+    grouped = cpg > 1
+    bp, bc = _tiles(cpg if grouped else c, p)
+    npb = triton.cdiv(p, bp)
+    grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
+    _channel_sq_norm_kernel[grid](
+        x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta, BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x))
+    return q
+
+
+def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
+          alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
+          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ `act(base + alpha * y * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`) or `m`, `m`
+    with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
+    n, c, h, w = y.shape
+    if out is None:
+        out = torch.empty_like(y)
+    m = m.contiguous()
+    groups, p = m.shape[1], h * w
+    bp, bc = _tiles(c, p)
+    npb = triton.cdiv(p, bp)
+    base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
+    _scale_kernel[(n * npb, triton.cdiv(c, bc))](
+        y, *y.stride(), m, post_bias if post_bias is not None else m, *base_args, out, *out.stride(),
+        c, p, w, c // groups, groups, npb, alpha,
+        BP=bp, BC=bc, RSQRT=rsqrt, HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
+        FLAT=_flat(y, out, *(() if base is None else (base,))))
+    return out
+
+
+def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bias: Optional[torch.Tensor],
+                   act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None):
+    """ `(dL/dy, t, dL/dpost_bias or None)` for `out = act(y rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
+    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, dL/dpost_bias in
+    float32."""
+    n, c, h, w = y.shape
+    b = b.contiguous()
+    groups, p = b.shape[1], h * w
+    cpg = c // groups
+    grouped = cpg > 1
+    bp, bc = _tiles(cpg if grouped else c, p)
+    npb = triton.cdiv(p, bp)
+    grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
+    if grad_y is None:
+        grad_y = torch.empty_like(y)
+    t = torch.empty_like(b)
+    partial = torch.empty((grid[0], c), device=y.device, dtype=torch.float32) if post_bias_grad else t
+    _scale_backward_kernel[grid](
+        grad, *grad.stride(), y, *y.stride(), b, post_bias if post_bias is not None else b, grad_y, *grad_y.stride(),
+        t, partial, c, p, w, cpg, groups, npb,
+        BP=bp, BC=bc, HAS_PB=post_bias is not None, ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, GROUPED=grouped,
+        FLAT=_flat(grad, y, grad_y))
+    return grad_y, t, partial.sum(0) if post_bias_grad else None

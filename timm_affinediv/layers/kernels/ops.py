@@ -1,0 +1,232 @@
+""" The fused path as torch custom ops (`timm_affinediv::...`), with fake implementations and autograd
+
+Each layer is one forward op and one backward op, so `torch.compile` traces a model without graph breaks and
+autograd keeps only what the backward needs: the input, the affine map's output `y` and the float32 map `b`
+(`r = rsqrt(b)`, one channel per group).
+
+PatchNormConv2d, `y = conv(x) (+ bias)` and `r = ((box(q) + offset) / c)^(-1/2)`, `q = sum_{c in group} x^2`:
+
+    out = act(y r + post_bias)
+    ga = g act'(y r + post_bias),   dL/dy = ga r,   t = r^3 sum_{c in group} ga y,
+    dL/dx = conv_backward(ga r) - x box^T(t) / c,   dL/dpost_bias = sum ga
+
+AffineDivLinear is the case of rows (`box` the identity), and the L2 normaliser `out = x r`,
+`r = (|x|^2 / c + eps)^(-1/2)`, has `dL/dx = g r - x t / c`, `t = r^3 <g, x>`.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..affine_div import box_sum
+
+__all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
+
+
+def _kernels():
+    from . import _triton  # defines the kernels on first use, after TRITON_INTERPRET is set
+    return _triton
+
+
+def _unused(x: Tensor) -> Tensor:
+    """The placeholder for a gradient the backward was not asked for (custom ops return tensors only)."""
+    return x.new_empty(0)
+
+
+def _pointwise(kernel_size: List[int], padding: List[int]) -> bool:
+    return list(kernel_size) == [1, 1] and not any(padding)
+
+
+def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
+                    groups: int, c: int, offset: float) -> Tensor:
+    """`b = (|P_p|^2 + offset) / c` per group and output position, float32: `r = rsqrt(b)`."""
+    kernels = _kernels()
+    if _pointwise(kernel_size, padding):
+        # a 1x1 map reads only every stride-th position, and its box filter is the identity
+        return kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
+    q = kernels.channel_sq_norm(x, groups)
+    ph, pw = padding
+    return box_sum(q, tuple(kernel_size), tuple(stride), (pw, pw, ph, ph), tuple(dilation), c, offset / c, groups)
+
+
+def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
+                   padding: List[int], dilation: List[int], c: int) -> None:
+    """`grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions."""
+    kernels = _kernels()
+    if _pointwise(kernel_size, padding):
+        grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
+        kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
+        return
+    groups, (h, w) = t.shape[1], x.shape[2:]
+    kernel = t.new_ones((groups, 1, *kernel_size))
+    # the transposed convolution's output is one row/column short where the forward's windows left input unread
+    output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
+        (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
+    box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
+    kernels.scale(x, box_adjoint, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
+
+
+@torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
+def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor],
+                     stride: List[int], padding: List[int], dilation: List[int], groups: int, c: int, offset: float,
+                     act: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """`(out, y, b)`: `out = act(conv(x) rsqrt(b) + post_bias)`, `y = conv(x)`, `b` as `_patch_norm_map`."""
+    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
+    return _kernels().scale(y, b, post_bias, act), y, b
+
+
+@patchnorm_conv2d.register_fake
+def _(x, weight, bias, post_bias, stride, padding, dilation, groups, c, offset, act):
+    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    n, _, h, w = y.shape
+    return torch.empty_like(y), y, y.new_empty((n, groups, h, w), dtype=torch.float32)
+
+
+@torch.library.custom_op('timm_affinediv::patchnorm_conv2d_backward', mutates_args=())
+def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor,
+                              post_bias: Optional[Tensor], stride: List[int], padding: List[int],
+                              dilation: List[int], groups: int, c: int, act: str, has_bias: bool,
+                              output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dL/dx, dL/dweight, dL/dbias, dL/dpost_bias)`, empty where `output_mask` is False."""
+    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    needs_post_bias = needs_post_bias and post_bias is not None
+    grad_y, t, grad_post_bias = _kernels().scale_backward(grad, y, b, post_bias, act, needs_post_bias)
+    grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+        grad_y, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation, False, [0, 0],
+        groups, [needs_x, needs_weight, needs_bias and has_bias])
+    if needs_x:
+        _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c)
+    return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
+            grad_bias if needs_bias and has_bias else _unused(x),
+            grad_post_bias.to(post_bias.dtype) if needs_post_bias else _unused(x))
+
+
+@patchnorm_conv2d_backward.register_fake
+def _(grad, x, weight, y, b, post_bias, stride, padding, dilation, groups, c, act, has_bias, output_mask):
+    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
+            x.new_empty(weight.shape[0]) if needs_bias and has_bias else _unused(x),
+            torch.empty_like(post_bias) if needs_post_bias and post_bias is not None else _unused(x))
+
+
+def _setup_patchnorm(ctx, inputs, output):
+    x, weight, bias, post_bias, stride, padding, dilation, groups, c, _, act = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2], post_bias)
+    ctx.geometry = (stride, padding, dilation, groups, c, act, bias is not None)
+
+
+def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
+    x, weight, y, b, post_bias = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:4])
+    grads = patchnorm_conv2d_backward(grad, x, weight, y, b, post_bias, *ctx.geometry, mask)
+    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None,) * 7
+
+
+patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
+
+
+def _as_maps(rows: Tensor) -> Tensor:
+    """An (M, K) matrix as (M, K, 1, 1): the kernels' rows."""
+    return rows[:, :, None, None]
+
+
+@torch.library.custom_op('timm_affinediv::affine_div_linear', mutates_args=())
+def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor], c: int,
+                      offset: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """`(out, y, b)` for the rows of `x`: `out = (x W^T + bias) rsqrt(b) + post_bias`, `b = (|x|^2 + offset) / c`."""
+    kernels = _kernels()
+    y = F.linear(x, weight, bias)
+    b = kernels.channel_sq_norm(_as_maps(x), 1, 1. / c, offset / c)
+    out = torch.empty_like(y)
+    kernels.scale(_as_maps(y), b, post_bias, out=_as_maps(out))
+    return out, y, b
+
+
+@affine_div_linear.register_fake
+def _(x, weight, bias, post_bias, c, offset):
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return torch.empty_like(y), y, x.new_empty((x.shape[0], 1, 1, 1), dtype=torch.float32)
+
+
+@torch.library.custom_op('timm_affinediv::affine_div_linear_backward', mutates_args=())
+def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, c: int,
+                               has_bias: bool, has_post_bias: bool,
+                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(dL/dx, dL/dweight, dL/dbias, dL/dpost_bias)`, empty where `output_mask` is False."""
+    kernels = _kernels()
+    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    grad_y = torch.empty_like(y)
+    _, t, _ = kernels.scale_backward(_as_maps(grad), _as_maps(y), b, None, 'none', False, grad_y=_as_maps(grad_y))
+    grad_x = _unused(x)
+    if needs_x:
+        grad_x = grad_y @ weight
+        kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x))
+    return (grad_x, grad_y.t() @ x if needs_weight else _unused(x),
+            grad_y.sum(0) if needs_bias and has_bias else _unused(x),
+            grad.sum(0) if needs_post_bias and has_post_bias else _unused(x))
+
+
+@affine_div_linear_backward.register_fake
+def _(grad, x, weight, y, b, c, has_bias, has_post_bias, output_mask):
+    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
+            y.new_empty(y.shape[1]) if needs_bias and has_bias else _unused(x),
+            y.new_empty(y.shape[1]) if needs_post_bias and has_post_bias else _unused(x))
+
+
+def _setup_linear(ctx, inputs, output):
+    x, weight, bias, post_bias, c, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.args = (c, bias is not None, post_bias is not None)
+
+
+def _backward_linear(ctx, grad, _grad_y, _grad_b):
+    x, weight, y, b = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:4])
+    grads = affine_div_linear_backward(grad, x, weight, y, b, *ctx.args, mask)
+    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None, None)
+
+
+affine_div_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
+
+
+@torch.library.custom_op('timm_affinediv::l2_normalise_channels', mutates_args=())
+def l2_normalise_channels(x: Tensor, c: int, eps: float) -> Tuple[Tensor, Tensor]:
+    """`(x rsqrt(b), b)` over dim 1 of an (N, C, H, W) tensor, `b = |x|^2 / c + eps` (float32)."""
+    kernels = _kernels()
+    b = kernels.channel_sq_norm(x, 1, 1. / c, eps)
+    return kernels.scale(x, b), b
+
+
+@l2_normalise_channels.register_fake
+def _(x, c, eps):
+    n, _, h, w = x.shape
+    return torch.empty_like(x), x.new_empty((n, 1, h, w), dtype=torch.float32)
+
+
+@torch.library.custom_op('timm_affinediv::l2_normalise_channels_backward', mutates_args=())
+def l2_normalise_channels_backward(grad: Tensor, x: Tensor, b: Tensor, c: int) -> Tensor:
+    """`dL/dx = g r - x t / c`, `t = r^3 <g, x>`."""
+    kernels = _kernels()
+    grad_x, t, _ = kernels.scale_backward(grad, x, b, None, 'none', False)
+    return kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
+
+
+@l2_normalise_channels_backward.register_fake
+def _(grad, x, b, c):
+    return torch.empty_like(x)
+
+
+def _setup_l2(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1])
+    ctx.c = inputs[1]
+
+
+def _backward_l2(ctx, grad, _grad_b):
+    x, b = ctx.saved_tensors
+    return l2_normalise_channels_backward(grad, x, b, ctx.c), None, None
+
+
+l2_normalise_channels.register_autograd(_backward_l2, setup_context=_setup_l2)
