@@ -8,7 +8,7 @@ DIST ?= dist
 FASHION_MNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 VERSION := $(shell sed -n "s/^__version__ = '\(.*\)'/\1/p" timm_affinediv/version.py)
 WHEEL := $(DIST)/timm_affinediv-$(VERSION)-py3-none-any.whl
-SOURCES := pyproject.toml LICENSE README.md $(wildcard timm_affinediv/*.py timm_affinediv/*/*.py model_cards/*)
+SOURCES := pyproject.toml LICENSE README.md $(wildcard timm_affinediv/*.py timm_affinediv/*/*.py timm_affinediv/*/*/*.py model_cards/*)
 BIN := $(abspath $(VENV))/bin
 TIMM_TESTS := .timm-tests
 

@@ -32,9 +32,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .._timm_compat import get_model_input_config
 from ..errors import SlotLayoutError
 from .affine_div import AffineDivLinear, PatchNormConv2d
+from .kernels import kernel_path
+from .norm import L2NormLinear
 from .slot import PatchNormSlot, SlotBinding
 
-__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'fake_eval', 'SlotLayoutError']
+__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'fake_eval', 'layer_kernel_paths',
+           'SlotLayoutError']
 
 _logger = logging.getLogger(__name__)
 
@@ -242,3 +245,13 @@ def describe_slots(model: nn.Module) -> List[SlotBinding]:
         m.binding if m.binding is not None else SlotBinding(name, note='not bound')
         for name, m in model.named_modules() if isinstance(m, PatchNormSlot)
     ]
+
+
+def layer_kernel_paths(model: nn.Module) -> Dict[str, str]:
+    """ 'triton' or 'torch' for every divergence-corrected layer (and L2NormLinear) of `model`: the path its forward
+    takes on its parameters' device and dtype (`kernels.dispatch`; export paths always take torch's).
+    """
+    return {
+        name: kernel_path(m.weight.device, m.weight.dtype) for name, m in model.named_modules()
+        if isinstance(m, (PatchNormConv2d, AffineDivLinear, L2NormLinear))
+    }

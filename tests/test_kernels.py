@@ -1,0 +1,337 @@
+""" The fused Triton kernels (`timm_affinediv.layers.kernels`) against the float64 eager layers
+
+Without a GPU the kernels run on the CPU under Triton's interpreter (`TRITON_INTERPRET=1`, set here before any
+kernel is defined: Triton reads it when it defines one); tiny shapes keep that fast. On a machine with CUDA the
+interpreter tests are skipped and the `cuda`-marked tests run the compiled kernels instead (`pytest -m cuda`).
+"""
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and 'timm_affinediv.layers.kernels._triton' not in sys.modules:
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+
+import timm  # noqa: E402
+
+import timm_affinediv  # noqa: E402,F401
+from timm_affinediv.layers import (  # noqa: E402
+    AffineDivLinear, L2Norm2d, L2NormLinear, PatchNormAct2d, PatchNormConv2d, SlotBinding)
+from timm_affinediv.layers.kernels import kernel_path, kernels_mode, set_kernels, triton_available  # noqa: E402
+
+INTERPRETED = os.environ.get('TRITON_INTERPRET') == '1' and not HAS_CUDA
+needs_interpreter = pytest.mark.skipif(
+    not triton_available() or not INTERPRETED,
+    reason='Triton is not installed' if not triton_available() else
+    'a GPU is present: the kernels are tested compiled (pytest -m cuda), not under the interpreter')
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or not triton_available(), reason='needs a CUDA GPU and Triton')
+
+
+@pytest.fixture
+def kernels():
+    """Selects a kernel path for the test: `kernels('triton')`; restores the mode after."""
+    before = kernels_mode()
+    yield set_kernels
+    set_kernels(before)
+
+
+def _run(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    """Output and the gradients of the input and of every parameter, for the output gradient `grad`."""
+    module.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    out = module(x)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), x.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+def _compare(module: nn.Module, x: torch.Tensor, kernels, device='cpu', dtype=torch.float32, rtol=1e-5, atol=1e-5):
+    """The module on the Triton path in `dtype` against itself in float64 on torch's path."""
+    torch.manual_seed(1)
+    module = module.to(device)
+    out = module(x.to(device, torch.float64))
+    grad = torch.randn_like(out)
+    kernels('torch')
+    want = _run(module.double(), x.to(device, torch.float64), grad)
+    kernels('triton')
+    got = _run(module.to(dtype), x.to(device, dtype), grad)
+    names = ['output', 'input grad'] + [f'{n} grad' for n, _ in module.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        assert g is not None, name
+        assert g.dtype == dtype, name
+        scale = w.abs().max().item() or 1.
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale, msg=lambda m: f'{name}: {m}')
+    return got
+
+
+def _conv(cin, cout, k, bias=True, **kwargs) -> PatchNormConv2d:
+    torch.manual_seed(0)
+    conv = PatchNormConv2d(cin, cout, k, bias=bias, **kwargs)
+    if bias:
+        nn.init.normal_(conv.bias)
+    return conv.double()
+
+
+# every geometry of the layer tests: (in, out, kernel, kwargs)
+GEOMETRIES = {
+    '1x1': (4, 6, 1, {}),
+    '3x3': (4, 6, 3, dict(padding=1)),
+    'strided': (4, 6, 3, dict(stride=2, padding=1)),
+    '1x1-strided': (4, 6, 1, dict(stride=2)),
+    'rect-kernel': (3, 5, (3, 2), dict(stride=(2, 1), padding=(1, 0))),
+    'grouped': (4, 6, 3, dict(groups=2, padding=1)),
+    'depthwise': (4, 4, 3, dict(groups=4, padding=1)),
+    'depthwise-strided': (4, 8, 3, dict(groups=4, stride=2, padding=1)),
+    'dilated': (4, 6, 3, dict(dilation=2, padding=2)),
+    'asymmetric-same': (4, 6, 4, dict(padding='same')),
+    'reflect': (4, 6, 3, dict(padding=1, padding_mode='reflect')),
+    'wide-1x1': (3, 8, 1, {}),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize('channels_last', [False, True], ids=['nchw', 'channels_last'])
+@pytest.mark.parametrize('bias', [True, False], ids=['bias', 'no_bias'])
+@pytest.mark.parametrize('geometry', list(GEOMETRIES))
+def test_patchnorm_conv(geometry, bias, channels_last, kernels):
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    x = torch.randn(2, cin, 7, 6)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    got = _compare(_conv(cin, cout, k, bias=bias, **kwargs), x, kernels)
+    assert got[0].is_contiguous(memory_format=torch.channels_last) == channels_last
+    assert got[1].is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def _fused(conv: PatchNormConv2d, act_layer) -> nn.Sequential:
+    """`conv` with a bound PatchNormAct2d applying its affine (and, on the Triton path, its activation)."""
+    slot = PatchNormAct2d(conv.out_channels, act_layer=act_layer).double()
+    nn.init.normal_(slot.weight)
+    nn.init.normal_(slot.bias)
+    conv.fuse_post_affine(slot)
+    slot.bind(SlotBinding('1', producer='0'), fused=True)
+    return nn.Sequential(conv, slot)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('geometry,act', [
+    ('3x3', 'relu'), ('grouped', 'gelu'), ('depthwise', 'silu'), ('1x1-strided', 'gelu'), ('depthwise', 'elu')])
+def test_fused_slot_affine_and_activation(geometry, act, kernels):
+    """The slot's affine (gain folded into the weight, bias after the division) and its activation in the output
+    pass; an activation the kernels do not have (ELU) stays the slot's, applied once."""
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    act_layer = dict(relu=nn.ReLU, gelu=nn.GELU, silu=nn.SiLU, elu=nn.ELU)[act]
+    for channels_last in (False, True):
+        x = torch.randn(2, cin, 6, 6)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        _compare(_fused(_conv(cin, cout, k, **kwargs), act_layer), x, kernels)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('bias', [True, False], ids=['bias', 'no_bias'])
+@pytest.mark.parametrize('features', [(5, 3), (5, 12)], ids=['narrow', 'wide'])
+def test_affine_div_linear(features, bias, kernels):
+    torch.manual_seed(0)
+    layer = AffineDivLinear(*features, bias=bias).double()
+    slot = timm_affinediv.PatchNorm(features[1]).double()
+    nn.init.normal_(slot.weight)
+    nn.init.normal_(slot.bias)
+    _compare(layer, torch.randn(3, 4, features[0]), kernels)
+    layer.fuse_post_affine(slot)
+    slot.bind(SlotBinding('1', producer='0'), fused=True)
+    _compare(nn.Sequential(layer.double(), slot), torch.randn(3, 4, features[0]), kernels)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('scale', ['l2', 'rms'])
+def test_l2_normalisers(scale, kernels):
+    torch.manual_seed(0)
+    _compare(L2NormLinear(6, 4, scale=scale).double(), torch.randn(3, 6), kernels)
+    norm = L2Norm2d(5, scale=scale).double()
+    nn.init.normal_(norm.weight)
+    _compare(norm, torch.randn(2, 5, 4, 3), kernels)
+    _compare(norm, torch.randn(2, 5, 4, 3).to(memory_format=torch.channels_last), kernels)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_half_precision_norms_in_float32(dtype, kernels):
+    """Inputs whose squares overflow float16 (|x| = 300, |P|^2 ~ 3.2e6) give finite outputs and gradients: the
+    norms accumulate in float32. Tolerances are those of the dtype's rounding of `y`."""
+    cin, cout, k, kwargs = GEOMETRIES['3x3']
+    conv = _fused(_conv(cin, cout, k, **kwargs), nn.GELU)
+    got = _compare(conv, 300 * torch.randn(2, cin, 6, 6).to(memory_format=torch.channels_last), kernels, dtype=dtype,
+                   rtol=5e-2, atol=5e-2)
+    assert all(torch.isfinite(g).all() for g in got)
+
+
+@needs_interpreter
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake (meta) implementations and autograd registrations of the custom ops, as torch.compile uses
+    them."""
+    from timm_affinediv.layers.kernels import ops
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    w, b, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
+                torch.randn(6, requires_grad=True))
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'))
+    rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12))
+    torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6))
+
+
+@needs_interpreter
+def test_model_train_step_matches_torch_path(kernels):
+    """A patchnorm EfficientNet's train step on the Triton path (depthwise and pointwise maps, SiLU applied in the
+    producers' output pass) equals torch's path: outputs, every gradient, and the SGD step after."""
+    results = {}
+    for path in ('torch', 'triton'):
+        kernels(path)
+        torch.manual_seed(0)
+        model = timm.create_model('test_efficientnet', norm_layer='patchnorm', num_classes=3, in_chans=2)
+        model = model.to(memory_format=torch.channels_last)
+        assert model.bn1.activation_in_producer
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(2, 2, 32, 32).to(memory_format=torch.channels_last)
+        out = model(x)
+        F.cross_entropy(out, torch.tensor([0, 2])).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        results[path] = [out.detach()] + grads + [model(x).detach()]
+    for got, want in zip(results['triton'], results['torch']):
+        # float32 sums in another order through a dozen layers: errors relative to each tensor's scale
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_interpreter
+def test_export_paths_keep_portable_ops(kernels):
+    """torch.jit.script and torch.export take torch's portable operations whatever the kernel mode."""
+    kernels('triton')
+    conv = _fused(_conv(4, 6, 3, padding=1), nn.ReLU).float().eval()
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        want = conv(x)
+        scripted = torch.jit.script(conv)
+        torch.testing.assert_close(scripted(x), want, rtol=1e-5, atol=1e-5)
+        program = torch.export.export(conv, (x,))
+    assert 'timm_affinediv' not in str(program.graph)
+    torch.testing.assert_close(program.module()(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_modes(kernels):
+    """'torch' never takes the kernels; 'auto' takes them for CUDA tensors only; float64 always stays on torch's
+    path; an unknown mode is refused."""
+    kernels('torch')
+    assert kernel_path('cuda') == 'torch'
+    kernels('auto')
+    assert kernel_path('cpu') == 'torch'
+    assert kernel_path('cuda') == ('triton' if triton_available() else 'torch')
+    assert kernel_path('cuda', torch.float64) == 'torch'
+    with pytest.raises(ValueError, match="set_kernels.mode. must be one of auto, triton, torch, got 'cuda'"):
+        set_kernels('cuda')
+    assert kernels_mode() == 'auto'
+
+
+def test_environment_variable_selects_the_path(monkeypatch):
+    """TIMM_AFFINEDIV_KERNELS is read at import; a wrong value fails the import with one line naming it."""
+    from timm_affinediv.layers.kernels import dispatch
+    try:
+        monkeypatch.setenv('TIMM_AFFINEDIV_KERNELS', 'Torch')
+        importlib.reload(dispatch)
+        assert kernels_mode() == 'torch' and kernel_path('cuda') == 'torch'
+        monkeypatch.setenv('TIMM_AFFINEDIV_KERNELS', 'fast')
+        with pytest.raises(ValueError, match="^TIMM_AFFINEDIV_KERNELS must be one of auto, triton, torch, got 'fast'$"):
+            importlib.reload(dispatch)
+    finally:
+        monkeypatch.delenv('TIMM_AFFINEDIV_KERNELS')
+        importlib.reload(dispatch)
+    assert kernels_mode() == 'auto'
+
+
+def test_report_of_kernel_paths(kernels):
+    from timm_affinediv.layers import layer_kernel_paths
+    model = timm.create_model('resnet10t', norm_layer='patchnorm', num_classes=3)
+    kernels('torch')
+    paths = layer_kernel_paths(model)
+    assert set(paths.values()) == {'torch'} and {'conv1.0', 'layer1.0.conv1'} <= set(paths)
+    if INTERPRETED and triton_available():
+        kernels('triton')
+        assert set(layer_kernel_paths(model).values()) == {'triton'}
+        assert set(layer_kernel_paths(model.double()).values()) == {'torch'}
+
+
+# GPU: the compiled kernels, in every dtype, against the float64 eager layers (run with `pytest -m cuda`)
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('geometry', list(GEOMETRIES))
+def test_cuda_kernels(geometry, dtype, kernels):
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for channels_last in (False, True):
+        x = torch.randn(4, cin, 13, 11)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        _compare(_fused(_conv(cin, cout, k, **kwargs), nn.GELU), x, kernels, 'cuda', dtype, tol, tol)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_row_kernels(dtype, kernels):
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.manual_seed(0)
+    _compare(AffineDivLinear(48, 192).double(), torch.randn(4, 7, 48), kernels, 'cuda', dtype, tol, tol)
+    _compare(L2NormLinear(48, 16).double(), torch.randn(9, 48), kernels, 'cuda', dtype, tol, tol)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize('name', ['resnet18', 'convnext_atto'])
+def test_cuda_train_step_matches_torch_path(name, kernels):
+    """A bf16-autocast channels-last train step on the GPU: the Triton path's loss and gradients equal torch's."""
+    results = {}
+    for path in ('torch', 'triton'):
+        kernels(path)
+        torch.manual_seed(0)
+        model = timm.create_model(name, norm_layer='patchnorm', num_classes=10).cuda()
+        model = model.to(memory_format=torch.channels_last)
+        x = torch.randn(8, 3, 64, 64, device='cuda').to(memory_format=torch.channels_last)
+        with torch.autocast('cuda', torch.bfloat16):
+            loss = F.cross_entropy(model(x), torch.arange(8, device='cuda'))
+        loss.backward()
+        results[path] = [loss.detach().float()] + [p.grad.float() for p in model.parameters()]
+    for got, want in zip(results['triton'], results['torch']):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_compiled_model_has_no_graph_breaks(kernels):
+    kernels('triton')
+    model = timm.create_model('resnet18', norm_layer='patchnorm', num_classes=10).cuda()
+    x = torch.randn(4, 3, 64, 64, device='cuda')
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.autocast('cuda', torch.bfloat16):
+        compiled(x).float().sum().backward()
+        torch.testing.assert_close(compiled(x).float(), model(x).float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_convert_model_on_the_gpu():
+    """`convert_model` of a model already on the GPU, with `device='cuda'`: every tensor follows the model."""
+    from timm_affinediv import convert_model
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10).cuda().eval()
+    calibration = [torch.randn(8, 3, 64, 64) for _ in range(2)]
+    converted, report = convert_model(model, calibration, device='cuda')
+    assert next(converted.parameters()).is_cuda
+    with torch.no_grad():
+        x = calibration[0].cuda()
+        assert torch.isfinite(converted(x)).all()
