@@ -171,6 +171,31 @@ def test_half_precision_norms_in_float32(dtype, kernels):
 
 
 @needs_interpreter
+def test_norm_map_shared_by_pointwise_maps_of_one_input(kernels, monkeypatch):
+    """A bottleneck's first 1x1 convolution and its strided 1x1 downsample read one norm computation of their
+    common input; an in-place write to the input, or another input, computes it afresh. Outputs equal torch's."""
+    from timm_affinediv.layers.kernels import _triton
+    launches = []
+    channel_sq_norm = _triton.channel_sq_norm
+    monkeypatch.setattr(_triton, 'channel_sq_norm', lambda *a, **k: launches.append(1) or channel_sq_norm(*a, **k))
+    conv1, downsample = _conv(4, 6, 1).float(), _conv(4, 8, 1, stride=2).float()
+    x = torch.randn(2, 4, 7, 6)
+    for step in range(3):
+        kernels('torch')
+        want = conv1(x), downsample(x)
+        kernels('triton')
+        launches.clear()
+        got = conv1(x), downsample(x)
+        assert len(launches) == 1, step
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        if step == 0:
+            x.mul_(3)
+        else:
+            x = torch.randn(2, 4, 7, 6)
+
+
+@needs_interpreter
 def test_custom_ops_pass_opcheck():
     """Schemas, fake (meta) implementations and autograd registrations of the custom ops, as torch.compile uses
     them."""
@@ -180,6 +205,9 @@ def test_custom_ops_pass_opcheck():
     w, b, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
                 torch.randn(6, requires_grad=True))
     torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'))
+    norm_map = torch.rand(2, 2, 3, 5) + 0.5
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, pb, [2, 1], [0, 0], [1, 1], 2, 2, 1e-12,
+                                                 'none', norm_map))
     rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
     torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12))
     torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6))

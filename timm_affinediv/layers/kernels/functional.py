@@ -1,5 +1,6 @@
 """ What the layers call on the Triton path: autocast applied as for torch's operations, then the custom ops """
-from typing import List, Optional
+import weakref
+from typing import Hashable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -35,15 +36,48 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class _NormMapCache:
+    """ The norm map of the last 1x1, stride-1 map's input, for a later 1x1 map of the same tensor with the same
+    `c` and offset (a bottleneck's first convolution and its downsample): the later one reads it at its stride
+    instead of its input.
+
+    Eager mode only, where it is exact: a tensor's version counter changes with every in-place write, and the weak
+    reference dies with the tensor (compiled graphs may reuse a buffer without either).
+    """
+
+    def __init__(self):
+        self._tensor = None
+        self._key: Hashable = None
+        self._map: Optional[torch.Tensor] = None
+
+    def get(self, x: torch.Tensor, key: Hashable) -> Optional[torch.Tensor]:
+        if self._tensor is not None and self._tensor() is x and self._key == (x._version, key):
+            return self._map
+        return None
+
+    def put(self, x: torch.Tensor, key: Hashable, norm_map: torch.Tensor) -> None:
+        self._tensor, self._key, self._map = weakref.ref(x), (x._version, key), norm_map
+
+
+_norm_maps = _NormMapCache()
+
+
 def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      post_bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
                      groups: int, c: int, offset: float, act: str = 'none') -> torch.Tensor:
     """`act(conv(x) / s(P) + post_bias)` (zero, symmetric `padding`), see `ops.patchnorm_conv2d`."""
     dtype = _autocast_dtype(x)
+    x = x.to(dtype)
+    shared = tuple(weight.shape[2:]) == (1, 1) and not any(padding) and not torch.compiler.is_compiling()
+    key = (groups, c, offset)
+    full_map = _norm_maps.get(x, key) if shared else None
     with torch.autocast(x.device.type, enabled=False):
-        out, _, _ = ops.patchnorm_conv2d(
-            x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype), post_bias, list(stride),
-            list(padding), list(dilation), groups, c, offset, act)
+        out, _, norm_map = ops.patchnorm_conv2d(
+            x, weight.to(dtype), None if bias is None else bias.to(dtype), post_bias, list(stride), list(padding),
+            list(dilation), groups, c, offset, act,
+            None if full_map is None else full_map[:, :, ::stride[0], ::stride[1]])
+    if shared and full_map is None and tuple(stride) == (1, 1):
+        _norm_maps.put(x, key, norm_map)
     return out
 
 

@@ -70,15 +70,21 @@ def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int],
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
 def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor],
                      stride: List[int], padding: List[int], dilation: List[int], groups: int, c: int, offset: float,
-                     act: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """`(out, y, b)`: `out = act(conv(x) rsqrt(b) + post_bias)`, `y = conv(x)`, `b` as `_patch_norm_map`."""
+                     act: str, norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(out, y, b)`: `out = act(conv(x) rsqrt(b) + post_bias)`, `y = conv(x)`, `b` as `_patch_norm_map`.
+
+    `norm_map`: `b`, where the caller has it (another map of the same input with the same `c` and `offset`).
+    """
     y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
-    b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
+    if norm_map is None:
+        b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
+    else:
+        b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
     return _kernels().scale(y, b, post_bias, act), y, b
 
 
 @patchnorm_conv2d.register_fake
-def _(x, weight, bias, post_bias, stride, padding, dilation, groups, c, offset, act):
+def _(x, weight, bias, post_bias, stride, padding, dilation, groups, c, offset, act, norm_map=None):
     y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
     n, _, h, w = y.shape
     return torch.empty_like(y), y, y.new_empty((n, groups, h, w), dtype=torch.float32)
@@ -112,7 +118,7 @@ def _(grad, x, weight, y, b, post_bias, stride, padding, dilation, groups, c, ac
 
 
 def _setup_patchnorm(ctx, inputs, output):
-    x, weight, bias, post_bias, stride, padding, dilation, groups, c, _, act = inputs
+    x, weight, bias, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2], post_bias)
     ctx.geometry = (stride, padding, dilation, groups, c, act, bias is not None)
 
@@ -121,7 +127,7 @@ def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
     x, weight, y, b, post_bias = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[:4])
     grads = patchnorm_conv2d_backward(grad, x, weight, y, b, post_bias, *ctx.geometry, mask)
-    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None,) * 7
+    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None,) * 8
 
 
 patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
