@@ -121,7 +121,11 @@ def test_divergence_report_script_writes_table_json_and_a_png_per_layer(tmp_path
     layers = record['layers']
     assert len(layers) == 15 and record['norm'] == 'patchnorm'  # 3 stem convs, 4 blocks x 2, 3 downsamples, fc
     table = (tmp_path / 'report.md').read_text()
-    assert table.count('\n') == len(layers) + 2 and table in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert table.count('\n') == len(layers) + 2 and table in out
+    # on the CPU every corrected layer takes torch's operations, and the report says so
+    assert set(record['kernels'].values()) == {'torch'} and len(record['kernels']) == 14
+    assert 'kernels: 14 layers on the torch path (cpu); on a CUDA GPU: ' in out
     pngs = sorted((tmp_path / 'layers').glob('*.png'))
     assert len(pngs) == len(layers) + 1 and all(_is_png(p) for p in pngs)
     assert all(layer['spread'] == pytest.approx(1, abs=1e-9) for layer in layers if layer['corrected'])

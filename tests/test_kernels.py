@@ -197,20 +197,24 @@ def test_norm_map_shared_by_pointwise_maps_of_one_input(kernels, monkeypatch):
 
 @needs_interpreter
 def test_custom_ops_pass_opcheck():
-    """Schemas, fake (meta) implementations and autograd registrations of the custom ops, as torch.compile uses
-    them."""
+    """Schemas, fake (meta) implementations and autograd registrations of the custom ops."""
     from timm_affinediv.layers.kernels import ops
     torch.manual_seed(0)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
     w, b, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
                 torch.randn(6, requires_grad=True))
-    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'))
+    # aot_dispatch (tracing as torch.compile does) is test_compile_fullgraph's, at a fifth of opcheck's cost
+    light = ('test_schema', 'test_autograd_registration', 'test_faketensor')
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'),
+                          test_utils=light)
     norm_map = torch.rand(2, 2, 3, 5) + 0.5
     torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, pb, [2, 1], [0, 0], [1, 1], 2, 2, 1e-12,
-                                                 'none', norm_map))
+                                                 'none', norm_map), test_utils=light)
     rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
-    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12))
-    torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6))
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
+                          test_utils=light)
+    torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6),
+                          test_utils=light)
 
 
 @needs_interpreter
@@ -282,11 +286,14 @@ def test_environment_variable_selects_the_path(monkeypatch):
 
 
 def test_report_of_kernel_paths(kernels):
-    from timm_affinediv.layers import layer_kernel_paths
+    from timm_affinediv.layers import describe_kernel_paths, layer_kernel_paths
     model = timm.create_model('resnet10t', norm_layer='patchnorm', num_classes=3)
     kernels('torch')
     paths = layer_kernel_paths(model)
     assert set(paths.values()) == {'torch'} and {'conv1.0', 'layer1.0.conv1'} <= set(paths)
+    assert describe_kernel_paths(model) == f'kernels: {len(paths)} layers on the torch path (cpu); on a CUDA GPU: torch'
+    kernels('auto')
+    assert describe_kernel_paths(model).endswith('on a CUDA GPU: ' + ('triton' if triton_available() else 'torch'))
     if INTERPRETED and triton_available():
         kernels('triton')
         assert set(layer_kernel_paths(model).values()) == {'triton'}
@@ -363,3 +370,25 @@ def test_cuda_convert_model_on_the_gpu():
     with torch.no_grad():
         x = calibration[0].cuda()
         assert torch.isfinite(converted(x)).all()
+
+
+@pytest.mark.parametrize('path', ['torch', 'triton'])
+def test_compile_fullgraph(path, kernels):
+    """A small patchnorm model compiles as one graph (no break) on either path: the dispatch checks and the custom
+    ops (through their fake implementations) trace; outputs and gradients equal eager mode."""
+    if path == 'triton' and not (INTERPRETED and triton_available()):
+        pytest.skip('the Triton path runs on the CPU under the interpreter only (the GPU has test_cuda_compiled_...)')
+    kernels(path)
+    model = nn.Sequential(*_fused(_conv(2, 4, 3, padding=1), nn.SiLU), _conv(4, 4, 3, groups=4, padding=1),
+                          nn.Flatten(), AffineDivLinear(64, 3).double()).float()
+    x = torch.randn(2, 2, 4, 4)
+    compiled = torch.compile(model, backend='aot_eager', fullgraph=True)
+    out = compiled(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    want = model(x)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

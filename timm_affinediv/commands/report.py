@@ -35,6 +35,7 @@ from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import model_in_chans
 from timm_affinediv.data import DataError, create_eval_loader, is_fashion_mnist, resolve_dataset_data_config
 from timm_affinediv.diagnostics import divergence_report, format_report, plot_report
+from timm_affinediv.layers import describe_kernel_paths, layer_kernel_paths
 from timm_affinediv.model_io import load_trained_model
 
 REPORT_FILES = ('report.md', 'report.json', 'layers')
@@ -102,14 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                                seed=args.seed, batch_stats=not weights)
     table = format_report(report)
     state = 'trained weights' if weights else 'random init'
-    print(f'{args.model} ({state}), input {tuple(batch.shape[1:])}\n')
+    print(f'{args.model} ({state}), input {tuple(batch.shape[1:])}')
+    print(describe_kernel_paths(model) + '\n')
     print(table)
     if args.output:
         out = Path(args.output)
         plot_report(report, out / 'layers', title=f'{args.model} {args.norm or ""} ({Path(data).name})')
         (out / 'report.md').write_text(table + '\n')
         (out / 'report.json').write_text(json.dumps(
-            dict(vars(args), weights=state, input_shape=list(batch.shape[1:]),
+            dict(vars(args), weights=state, input_shape=list(batch.shape[1:]), kernels=layer_kernel_paths(model),
                  layers=[s.as_dict() for s in report]), indent=1))
         print(f'wrote {out}/report.md, report.json, layers/*.png')
     return 0

@@ -1,6 +1,6 @@
 """The layers of the affine divergence and their binding into timm models, as `timm.layers` holds timm's own."""
 from .affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant, patch_sq_norm
-from .binding import bind_patchnorm, describe_slots, divergence_corrected, layer_kernel_paths
+from .binding import bind_patchnorm, describe_kernel_paths, describe_slots, divergence_corrected, layer_kernel_paths
 from .norm import L2Norm, L2Norm2d, L2NormLinear, l2_normalise
 from .register import register
 from .slot import (

@@ -36,8 +36,8 @@ from .kernels import kernel_path
 from .norm import L2NormLinear
 from .slot import PatchNormSlot, SlotBinding
 
-__all__ = ['bind_patchnorm', 'describe_slots', 'divergence_corrected', 'fake_eval', 'layer_kernel_paths',
-           'SlotLayoutError']
+__all__ = ['bind_patchnorm', 'describe_kernel_paths', 'describe_slots', 'divergence_corrected', 'fake_eval',
+           'layer_kernel_paths', 'SlotLayoutError']
 
 _logger = logging.getLogger(__name__)
 
@@ -255,3 +255,16 @@ def layer_kernel_paths(model: nn.Module) -> Dict[str, str]:
         name: kernel_path(m.weight.device, m.weight.dtype) for name, m in model.named_modules()
         if isinstance(m, (PatchNormConv2d, AffineDivLinear, L2NormLinear))
     }
+
+
+def describe_kernel_paths(model: nn.Module) -> str:
+    """ One line for reports: how many divergence-corrected layers take each path where the model is, and the path
+    they would take on a CUDA GPU, e.g. "kernels: 53 layers on the torch path (cpu); on a CUDA GPU: triton".
+    """
+    paths = layer_kernel_paths(model)
+    if not paths:
+        return 'kernels: no divergence-corrected layers'
+    counts = {path: sum(p == path for p in paths.values()) for path in sorted(set(paths.values()))}
+    device = next(model.parameters()).device
+    where = ', '.join(f'{n} layers on the {path} path' for path, n in counts.items())
+    return f'kernels: {where} ({device.type}); on a CUDA GPU: {kernel_path("cuda")}'

@@ -174,10 +174,13 @@ def _flat(*tensors: torch.Tensor) -> bool:
     return all(t.shape[2] == 1 or t.stride(2) == t.shape[3] * t.stride(3) for t in tensors)
 
 
-def _tiles(channels: int, positions: int):
-    bc = min(_pow2(channels), 128)
-    bp = min(_pow2(positions), max(1, _TILE // bc))
-    return bp, bc
+def _tiles(channels: int, positions: int, x: torch.Tensor):
+    """(BP, BC): a tile long in the dimension whose elements are adjacent in `x` (channels in channels-last)."""
+    if x.stride(1) == 1 or positions == 1:
+        bc = min(_pow2(channels), 128 if positions > 1 else _TILE)
+        return min(_pow2(positions), max(1, _TILE // bc)), bc
+    bp = min(_pow2(positions), 256)
+    return bp, min(_pow2(channels), max(1, _TILE // bp))
 
 
 def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float = 0.) -> torch.Tensor:
@@ -186,7 +189,7 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     q = torch.empty((n, groups, h, w), device=x.device, dtype=torch.float32)
     cpg, p = c // groups, h * w
     grouped = cpg > 1
-    bp, bc = _tiles(cpg if grouped else c, p)
+    bp, bc = _tiles(cpg if grouped else c, p, x)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
     _channel_sq_norm_kernel[grid](
@@ -204,7 +207,7 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
         out = torch.empty_like(y)
     m = m.contiguous()
     groups, p = m.shape[1], h * w
-    bp, bc = _tiles(c, p)
+    bp, bc = _tiles(c, p, y)
     npb = triton.cdiv(p, bp)
     base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
     _scale_kernel[(n * npb, triton.cdiv(c, bc))](
@@ -225,7 +228,7 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
     groups, p = b.shape[1], h * w
     cpg = c // groups
     grouped = cpg > 1
-    bp, bc = _tiles(cpg if grouped else c, p)
+    bp, bc = _tiles(cpg if grouped else c, p, y)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
     if grad_y is None:
