@@ -360,35 +360,15 @@ def test_cuda_compiled_model_has_no_graph_breaks(kernels):
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_convert_model_on_the_gpu():
-    """`convert_model` of a model already on the GPU, with `device='cuda'`: every tensor follows the model."""
+    """`convert_model` of a model already on the GPU, with `device='cuda'` and calibration batches on the CPU: every
+    tensor follows the model, and the converted model computes what a conversion on the CPU gives."""
     from timm_affinediv import convert_model
     torch.manual_seed(0)
-    model = timm.create_model('resnet18', num_classes=10).cuda().eval()
+    model = timm.create_model('resnet18', num_classes=10).eval()
     calibration = [torch.randn(8, 3, 64, 64) for _ in range(2)]
-    converted, report = convert_model(model, calibration, device='cuda')
-    assert next(converted.parameters()).is_cuda
+    on_cpu, _ = convert_model(model, calibration=calibration, device='cpu')
+    converted, _ = convert_model(model.cuda(), calibration=calibration, device='cuda')
+    assert all(p.is_cuda for p in converted.parameters())
     with torch.no_grad():
-        x = calibration[0].cuda()
-        assert torch.isfinite(converted(x)).all()
-
-
-@pytest.mark.parametrize('path', ['torch', 'triton'])
-def test_compile_fullgraph(path, kernels):
-    """A small patchnorm model compiles as one graph (no break) on either path: the dispatch checks and the custom
-    ops (through their fake implementations) trace; outputs and gradients equal eager mode."""
-    if path == 'triton' and not (INTERPRETED and triton_available()):
-        pytest.skip('the Triton path runs on the CPU under the interpreter only (the GPU has test_cuda_compiled_...)')
-    kernels(path)
-    model = nn.Sequential(*_fused(_conv(2, 4, 3, padding=1), nn.SiLU), _conv(4, 4, 3, groups=4, padding=1),
-                          nn.Flatten(), AffineDivLinear(64, 3).double()).float()
-    x = torch.randn(2, 2, 4, 4)
-    compiled = torch.compile(model, backend='aot_eager', fullgraph=True)
-    out = compiled(x)
-    out.sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    want = model(x)
-    want.sum().backward()
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    for got, expected in zip(grads, (p.grad for p in model.parameters())):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        x = calibration[0]
+        torch.testing.assert_close(converted(x.cuda()).cpu(), on_cpu(x), rtol=1e-3, atol=1e-3)
