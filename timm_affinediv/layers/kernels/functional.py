@@ -1,6 +1,6 @@
 """ What the layers call on the Triton path: autocast applied as for torch's operations, then the custom ops """
 import weakref
-from typing import Hashable, List, Optional
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -46,17 +46,17 @@ class _NormMapCache:
     """
 
     def __init__(self):
-        self._tensor = None
-        self._key: Hashable = None
-        self._map: Optional[torch.Tensor] = None
+        # one tuple, replaced whole: threads (DataParallel's replicas) never see one entry's tensor with another's map
+        self._entry: Optional[Tuple[weakref.ref, Hashable, torch.Tensor]] = None
 
     def get(self, x: torch.Tensor, key: Hashable) -> Optional[torch.Tensor]:
-        if self._tensor is not None and self._tensor() is x and self._key == (x._version, key):
-            return self._map
+        entry = self._entry
+        if entry is not None and entry[0]() is x and entry[1] == (x._version, key):
+            return entry[2]
         return None
 
     def put(self, x: torch.Tensor, key: Hashable, norm_map: torch.Tensor) -> None:
-        self._tensor, self._key, self._map = weakref.ref(x), (x._version, key), norm_map
+        self._entry = (weakref.ref(x), (x._version, key), norm_map)
 
 
 _norm_maps = _NormMapCache()
