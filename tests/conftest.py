@@ -1,8 +1,15 @@
 """Shared by every test module: commands run in-process configure the root logger; each test starts clean."""
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+# Triton reads TRITON_INTERPRET when it defines a function (its own library's included), and importing timm imports
+# it: set here, before any test module imports timm, so that without a GPU test_kernels.py runs the Triton kernels
+# on the CPU under the interpreter
+if not os.path.exists('/dev/nvidiactl'):
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 import pytest
 
