@@ -11,13 +11,11 @@ compilation for compiled models).
     python scripts/bench_gpu.py --models resnet18 --modes eager --kernels torch
     python scripts/bench_gpu.py --device cpu --quick              # tiny sizes: checks the script end to end
 """
-import argparse
 import dataclasses
 import datetime
 import json
-import os
 import statistics
-import tempfile
+import sys
 import time
 from typing import Callable, Dict, List
 
@@ -26,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
+from timm_affinediv._io import atomic_write
+from timm_affinediv.cli import run_main
+from timm_affinediv.commands import command_parser
 from timm_affinediv.layers import layer_kernel_paths
 from timm_affinediv.layers.kernels import KERNEL_MODES, set_kernels
 
@@ -180,15 +181,8 @@ def _print_table(rows: List[Row]) -> None:
               f'| {r.native_first_step_s:.1f} / {r.patchnorm_first_step_s:.1f} |')
 
 
-def _write_json(path: str, payload) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile('w', dir=directory, delete=False, suffix='.tmp') as f:
-        json.dump(payload, f, indent=2)
-    os.replace(f.name, path)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def main(argv=None) -> int:
+    parser = command_parser('bench_gpu', __doc__, prog='scripts/bench_gpu.py')
     parser.add_argument('--models', default='resnet50,convnext_tiny', help='comma-separated timm model names')
     parser.add_argument('--steps', default='train,inference', help='train and/or inference')
     parser.add_argument('--modes', default='eager,compiled', help='eager and/or compiled (torch.compile)')
@@ -226,8 +220,9 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
     _print_table(rows)
     if args.json:
-        _write_json(args.json, dict(environment=env, rows=[dataclasses.asdict(r) for r in rows]))
+        atomic_write(args.json, json.dumps(dict(environment=env, rows=[dataclasses.asdict(r) for r in rows]), indent=2))
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main))

@@ -41,14 +41,15 @@ def model_in_chans(model: nn.Module) -> int:
 
 def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -> nn.Module:
     """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them),
-    in `model`'s dtype."""
+    on `model`'s device and in its dtype (the weights carried over are then copied, and combined, where they are)."""
     if norm not in CONVERSION_NORMS:
         raise ConversionError(f'norm must be one of {CONVERSION_NORMS}, got {norm!r}')
     kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=model_in_chans(model))
     kwargs.update({k: v for k, v in get_model_args(model).items() if k != 'norm_layer'})
     kwargs.update(model_kwargs)
     try:
-        return timm.create_model(architecture(model), norm_layer=norm, **kwargs).to(next(model.parameters()).dtype)
+        reference = next(model.parameters())
+        return timm.create_model(architecture(model), norm_layer=norm, **kwargs).to(reference.device, reference.dtype)
     except SlotLayoutError as e:
         raise ConversionError(f'cannot convert {architecture(model)}: {e}') from e
 
@@ -92,7 +93,8 @@ def carry_weights(model: nn.Module, converted: nn.Module, norms: Dict[str, nn.Mo
                 slot.bias.copy_(norm.bias if norm.affine else torch.zeros_like(slot.bias))
                 producer = slot.binding.producer
                 if producer is not None:
-                    modules[producer].bias.sub_(norm.running_mean)
+                    bias = modules[producer].bias
+                    bias.sub_(norm.running_mean.to(bias.device))
             elif norm.weight is not None:
                 slot.weight.copy_(norm.weight)
                 slot.bias.copy_(norm.bias)
