@@ -9,7 +9,7 @@ compilation for compiled models).
 
     python scripts/bench_gpu.py                                   # resnet50, convnext_tiny; about 4 min on an H200
     python scripts/bench_gpu.py --models resnet18 --modes eager --kernels torch
-    python scripts/bench_gpu.py --device cpu --quick              # tiny sizes: checks the script end to end
+    python scripts/bench_gpu.py --device cpu --quick --backend aot_eager   # tiny sizes: checks the script end to end
 """
 import dataclasses
 import datetime
@@ -42,6 +42,7 @@ class Settings:
     rounds: int
     dtype: torch.dtype
     channels_last: bool
+    backend: str
 
 
 @dataclasses.dataclass
@@ -83,7 +84,7 @@ class Runner:
         self.x = torch.randn(self.batch, 3, s.size, s.size, device=s.device).to(memory_format=memory_format)
         self.y = torch.randint(0, model.num_classes, (self.batch,), device=s.device)
         self.s = s
-        forward = torch.compile(model) if mode == 'compiled' else model
+        forward = torch.compile(model, backend=s.backend) if mode == 'compiled' else model
         autocast = dict(device_type=s.device, dtype=s.dtype, enabled=s.dtype != torch.float32)
         if step == 'train':
             model.train()
@@ -157,7 +158,7 @@ def _environment(args, s: Settings) -> Dict[str, str]:
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'), gpu=gpu,
                 torch=torch.__version__, timm=timm.__version__, triton=triton_version, kernels=args.kernels,
                 dtype=str(s.dtype).replace('torch.', ''), channels_last=str(s.channels_last), size=str(s.size),
-                batch_train=str(s.batch_train), batch_infer=str(s.batch_infer))
+                batch_train=str(s.batch_train), batch_infer=str(s.batch_infer), compile_backend=s.backend)
 
 
 def _rate(img_s: float) -> str:
@@ -192,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument('--dtype', default=None, choices=('bfloat16', 'float16', 'float32'),
                         help='autocast dtype (default bfloat16 on cuda, float32 on cpu)')
     parser.add_argument('--nchw', action='store_true', help="timm's default layout instead of channels-last")
+    parser.add_argument('--backend', default='inductor', help="torch.compile's backend (aot_eager: a quick check of "
+                        'the compiled path, without code generation)')
     parser.add_argument('--quick', action='store_true', help='fewer steps and rounds; on cpu also tiny sizes')
     parser.add_argument('--json', default=None, metavar='OUT', help='also save the table and environment here')
     args = parser.parse_args(argv)
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
     s = Settings(device=args.device, batch_train=4 if tiny else 128, batch_infer=8 if tiny else 256,
                  size=32 if tiny else 224, steps=2 if tiny else (10 if args.quick else 20),
                  warmup=1 if tiny else (3 if args.quick else 5), rounds=2 if args.quick else 3, dtype=dtype,
-                 channels_last=not args.nchw)
+                 channels_last=not args.nchw, backend=args.backend)
     if args.device == 'cuda':
         torch.backends.cudnn.benchmark = True
     env = _environment(args, s)

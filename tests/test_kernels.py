@@ -5,6 +5,8 @@ before anything imports Triton); tiny shapes keep that fast. On a machine with C
 skipped and the `cuda`-marked tests run the compiled kernels instead (`pytest -m cuda`).
 """
 import importlib
+import importlib.util
+import json
 import os
 
 import pytest
@@ -377,3 +379,24 @@ def test_cuda_convert_model_on_the_gpu():
     with torch.no_grad():
         x = calibration[0]
         torch.testing.assert_close(converted(x.cuda()).cpu(), on_cpu(x), rtol=1e-3, atol=1e-3)
+
+
+def test_bench_gpu_script_runs_on_the_cpu(tmp_path, capsys):
+    """scripts/bench_gpu.py end to end at tiny sizes (its figures are the GPU's to give): eager and compiled rows,
+    the table printed and saved; wrong modes refused."""
+    from conftest import SCRIPTS
+    spec = importlib.util.spec_from_file_location('bench_gpu', SCRIPTS / 'bench_gpu.py')
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    out = tmp_path / 'bench.json'
+    assert bench_gpu.main(['--device', 'cpu', '--quick', '--models', 'test_resnet', '--steps', 'inference',
+                           '--backend', 'aot_eager', '--json', str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [(r['model'], r['step'], r['mode']) for r in record['rows']] == [
+        ('test_resnet', 'inference', 'eager'), ('test_resnet', 'inference', 'compiled')]
+    assert all(r['native_img_s'] > 0 and r['patchnorm_img_s'] > 0 for r in record['rows'])
+    assert '| test_resnet | inference | compiled |' in capsys.readouterr().out
+    assert record['environment']['gpu'] == 'none (cpu)'
+    with pytest.raises(SystemExit):
+        bench_gpu.main(['--device', 'cpu', '--modes', 'jit'])
+    assert "--modes eager,compiled; got 'train,inference', 'jit'" in capsys.readouterr().err
