@@ -14,6 +14,7 @@ from .layers.slot import (
     AffineDivNorm,
     AffineDivNorm2d,
     AffineDivNormAct2d,
+    NormMismatchError,
     PatchNorm,
     PatchNorm2d,
     PatchNormAct2d,

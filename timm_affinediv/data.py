@@ -1,28 +1,32 @@
-"""Datasets and loaders for training: built-in Fashion-MNIST and image folders, through timm's data pipeline.
+"""Datasets and loaders for training: built-in Fashion-MNIST and every dataset of timm's `create_dataset`.
 
 Fashion-MNIST is read from the gzipped IDX files of Debian's `dataset-fashion-mnist` (no download), and yields
-PIL images so timm's transforms apply unchanged. Image folders go through `timm.data.create_dataset`. Loaders use
-`timm.data.resolve_data_config` + `create_transform`, and a `DistributedSampler` whose order depends only on
-(seed, epoch), so that a resumed run sees the same data order as an uninterrupted one.
+PIL images so timm's transforms apply unchanged. Everything else goes through `timm.data.create_dataset`: image
+folders and tars, `torch/NAME`, `hfds/NAME` (map-style), and the streams `wds/NAME`, `hfids/NAME`, `tfds/NAME`.
+Loaders use `timm.data.resolve_data_config` + `create_transform`, and for map-style datasets a
+`DistributedSampler` whose order depends only on (seed, epoch), so that a resumed run sees the same data order
+as an uninterrupted one. Streams shuffle and shard themselves (timm's readers), seeded by (seed, epoch).
 """
 import functools
 import gzip
+import importlib.util
 import os
 import struct
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 from PIL import Image
 from timm.data import create_dataset, create_transform, resolve_data_config
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 
 from .errors import DataError
 
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
     'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes',
-    'resolve_dataset_data_config', 'create_train_loader', 'set_loader_epoch', 'create_eval_loader',
+    'resolve_dataset_data_config', 'create_train_loader', 'set_loader_epoch', 'create_eval_loader', 'dataset_scheme',
+    'is_stream',
 ]
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -119,30 +123,65 @@ def is_fashion_mnist(name: str) -> bool:
     return name.lower().replace('_', '-') in ('fashion-mnist', 'fashionmnist', 'fmnist')
 
 
-class _CheckedImageDataset(Dataset):
-    """Wrap a timm ImageDataset so an unreadable image fails loudly, naming the file (timm skips it with a warning)."""
+_SCHEMES = {  # create_dataset prefix -> (module it needs, how to install it)
+    'wds': ('webdataset', 'pip install "timm-affinediv[wds]"'),
+    'hfds': ('datasets', 'pip install "timm-affinediv[hfds]"'),
+    'hfids': ('datasets', 'pip install "timm-affinediv[hfds]"'),
+    'tfds': ('tensorflow_datasets', 'pip install tensorflow-datasets'),
+    'torch': ('torchvision', 'pip install torchvision'),
+}
 
-    def __init__(self, dataset: Dataset):
+
+def dataset_scheme(name: str) -> str:
+    """The `timm.data.create_dataset` scheme of a dataset name: 'wds', 'hfds', 'hfids', 'tfds', 'torch', or ''
+    (an image folder or tar)."""
+    prefix, sep, _ = name.partition('/')
+    return prefix.lower() if sep and prefix.lower() in _SCHEMES else ''
+
+
+class _CheckedImageDataset(Dataset):
+    """A map-style timm/torchvision dataset whose images come in `img_mode`, and whose unreadable image fails
+    loudly, naming the file (timm's folder reader would skip it with a warning)."""
+
+    def __init__(self, dataset: Dataset, img_mode: str):
         self.dataset = dataset
-        self.dataset._max_retries = 1  # timm retries the next sample on a decode error; make the first one fatal
+        self.img_mode = img_mode
+        self.transform: Optional[Callable] = None
+        if hasattr(dataset, '_max_retries'):
+            dataset._max_retries = 1  # timm retries the next sample on a decode error; make the first one fatal
+        if hasattr(dataset, 'transform'):
+            dataset.transform = None  # the mode is converted first, then `self.transform` applies
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Tuple[Any, Any]:
         try:
-            return self.dataset[index]
+            img, target = self.dataset[index][:2]
         except RuntimeError as e:
-            path = self.dataset.filename(index, absolute=True)
-            raise DataError(f'cannot read image {path} ({e}); remove or replace the file.') from e
+            where = self.dataset.filename(index, absolute=True) if hasattr(self.dataset, 'filename') else index
+            raise DataError(f'cannot read image {where} ({e}); remove or replace the file.') from e
+        if isinstance(img, Image.Image) and img.mode != self.img_mode:
+            img = img.convert(self.img_mode)  # torchvision's MNIST gives 'L', CIFAR 'RGB', whatever the model takes
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, target
 
-    @property
-    def transform(self) -> Optional[Callable]:
-        return self.dataset.transform
 
-    @transform.setter
-    def transform(self, value: Optional[Callable]) -> None:
-        self.dataset.transform = value
+def _check_scheme(name: str, root: Optional[str]) -> str:
+    scheme = dataset_scheme(name)
+    if scheme:
+        module, install = _SCHEMES[scheme]
+        if importlib.util.find_spec(module) is None:
+            raise DataError(f"dataset '{name}' needs the '{module}' package: {install}.")
+        if scheme in ('wds', 'torch') and not root:
+            raise DataError(f"dataset '{name}' needs its data folder: pass --data-dir PATH.")
+        return scheme
+    if not root:
+        raise DataError(f"dataset '{name}' needs a data folder: pass --data-dir PATH.")
+    if not os.path.exists(root):
+        raise DataError(f'data folder {root} does not exist; pass --data-dir with a folder of class sub-folders.')
+    return scheme
 
 
 def create_image_dataset(
@@ -151,43 +190,69 @@ def create_image_dataset(
         split: str,
         in_chans: int = 3,
         transform: Optional[Callable] = None,
+        *,
+        is_training: bool = False,
+        num_samples: Optional[int] = None,
+        batch_size: int = 1,
+        seed: int = 42,
+        workers: int = 0,
 ) -> Dataset:
-    """Create the built-in Fashion-MNIST (`name='fashion-mnist'`) or an image folder dataset (`name=''`).
+    """Create the built-in Fashion-MNIST (`name='fashion-mnist'`) or any dataset of `timm.data.create_dataset`.
 
     Args:
-        name: 'fashion-mnist', or '' / any timm `create_dataset` name for an image folder (`<root>/<split>/<class>/*`).
-        root: data folder; for Fashion-MNIST None means `FASHION_MNIST_DIR`.
+        name: 'fashion-mnist'; '' (or any name without a scheme) for an image folder (`<root>/<split>/<class>/*`)
+            or tar; `torch/NAME` (torchvision, from `root`, no download); `hfds/NAME` (Hugging Face `datasets`,
+            map-style); streamed: `wds/NAME` (WebDataset shards and `_info.json` in `root`), `hfids/NAME`, `tfds/NAME`.
+        root: data folder; for Fashion-MNIST None means `FASHION_MNIST_DIR`; for `hfds/` the cache folder.
         split: 'train' or 'validation' (timm searches `root` for a matching sub-folder).
-        in_chans: 1 reads folder images as grayscale ('L'), 3 as RGB.
+        in_chans: 1 reads images as grayscale ('L'), 3 as RGB.
         transform: transform applied to each PIL image.
+        is_training: streams shuffle (shards and samples, seeded by `seed` and the epoch).
+        num_samples: the samples of a streamed split (when its `_info.json` / dataset info does not say).
+        batch_size, workers: a stream's length per process is a whole number of batches of each loader worker.
     """
     if is_fashion_mnist(name):
         return FashionMNIST(root or FASHION_MNIST_DIR, split=split, transform=transform)
-    if not root:
-        raise DataError(f"dataset '{name}' needs a data folder: pass --data-dir PATH.")
-    if not os.path.isdir(root):
-        raise DataError(f'data folder {root} does not exist; pass --data-dir with a folder of class sub-folders.')
+    scheme = _check_scheme(name, root)
+    img_mode = 'L' if in_chans == 1 else 'RGB'
     try:
         dataset = create_dataset(
-            name, root=root, split=split, is_training=False, input_img_mode='L' if in_chans == 1 else 'RGB')
-    except RuntimeError as e:  # timm's folder reader: 'Found 0 images in subfolders of ...'
-        raise DataError(f'{e}. Put images in class sub-folders (<data-dir>/<split>/<class>/<image>).') from e
+            name, root=root, split=split, is_training=is_training, input_img_mode=img_mode, batch_size=batch_size,
+            num_samples=num_samples, seed=seed)
+    except (RuntimeError, AssertionError, FileNotFoundError, ValueError) as e:
+        hint = ('Put images in class sub-folders (<data-dir>/<split>/<class>/<image>).' if not scheme else
+                'For a stream without its sample count, pass --train-num-samples / --val-num-samples.')
+        raise DataError(f"cannot open dataset '{name}' (split {split}) at {root}: {e}. {hint}") from e
+    if isinstance(dataset, IterableDataset):
+        dataset.set_loader_cfg(num_workers=workers)
+        dataset.transform = transform
+        return dataset
     if len(dataset) == 0:
         raise DataError(f'data folder {root} (split {split}) holds no images; put images in class sub-folders.')
-    dataset = _CheckedImageDataset(dataset)
+    dataset = _CheckedImageDataset(dataset, img_mode)
     dataset.transform = transform
     return dataset
 
 
-def dataset_num_classes(dataset: Dataset) -> int:
-    """Number of classes of a dataset made by `create_image_dataset`."""
+def is_stream(dataset: Dataset) -> bool:
+    """True for an iterable (streamed) dataset: no random access, its own shuffling and sharding over processes."""
+    return isinstance(dataset, IterableDataset)
+
+
+def dataset_num_classes(dataset: Dataset) -> Optional[int]:
+    """Number of classes of a dataset made by `create_image_dataset`, or None where it does not say (a stream of
+    `.cls` labels)."""
     if isinstance(dataset, Subset):
         return dataset_num_classes(dataset.dataset)
     if isinstance(dataset, FashionMNIST):
         return len(dataset.classes)
-    if isinstance(dataset, _CheckedImageDataset):
-        return len(dataset.dataset.reader.class_to_idx)
-    raise DataError(f'cannot tell the number of classes of {type(dataset).__name__}; pass --num-classes.')
+    inner = dataset.dataset if isinstance(dataset, _CheckedImageDataset) else dataset
+    class_to_idx = getattr(getattr(inner, 'reader', None), 'class_to_idx', None) or getattr(inner, 'class_to_idx',
+                                                                                           None)
+    if class_to_idx:
+        return len(class_to_idx)
+    classes = getattr(inner, 'classes', None)
+    return len(classes) if classes else None
 
 
 def resolve_dataset_data_config(
@@ -195,25 +260,31 @@ def resolve_dataset_data_config(
         model: Optional[torch.nn.Module] = None,
         in_chans: int = 3,
         img_size: Optional[int] = None,
+        overrides: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """timm data config (input_size, interpolation, mean, std, crop_pct, crop_mode) for a dataset and model.
 
-    Fashion-MNIST: 1 channel, 32x32 (resized from 28x28, no crop), its own mean / std. Image folders: the model's
-    pretrained config, with `in_chans` / `img_size` overriding it.
+    Fashion-MNIST: 1 channel, 32x32 (resized from 28x28, no crop), its own mean / std. Other datasets: the
+    model's pretrained config, with `in_chans` / `img_size` overriding it. `overrides`: train.py's
+    `--input-size` / `--img-size` / `--crop-pct` / `--mean` / `--std` / `--interpolation` (`resolve_data_config`'s
+    argument names), over both.
     """
-    if is_fashion_mnist(name):
-        size = img_size or FASHION_MNIST_SIZE
-        args = dict(
-            input_size=(1, size, size), mean=FASHION_MNIST_MEAN, std=FASHION_MNIST_STD,
-            interpolation='bilinear', crop_pct=1.0)
-        return resolve_data_config(args)
-    args = dict(in_chans=in_chans)
+    overrides = dict(overrides or {})
     if img_size:
-        args['input_size'] = (in_chans, img_size, img_size)
+        overrides.setdefault('img_size', img_size)
+    if is_fashion_mnist(name):
+        size = overrides.pop('img_size', None) or FASHION_MNIST_SIZE
+        args = dict(input_size=(1, size, size), mean=FASHION_MNIST_MEAN, std=FASHION_MNIST_STD,
+                    interpolation='bilinear', crop_pct=1.0)
+        return resolve_data_config({**args, **overrides})
+    args = dict(in_chans=in_chans, **overrides)
+    if 'img_size' in args and 'input_size' not in args:
+        args['input_size'] = (in_chans, args['img_size'], args['img_size'])
     config = resolve_data_config(args, model=model)
-    if len(config['mean']) != config['input_size'][0]:  # an RGB pretrained_cfg used for a grayscale model
-        config['mean'] = (sum(config['mean']) / len(config['mean']),) * config['input_size'][0]
-        config['std'] = (sum(config['std']) / len(config['std']),) * config['input_size'][0]
+    channels = config['input_size'][0]
+    for key in ('mean', 'std'):
+        if len(config[key]) != channels:  # an RGB pretrained_cfg used for a grayscale model, or a single value
+            config[key] = (sum(config[key]) / len(config[key]),) * channels
     return config
 
 
@@ -244,31 +315,40 @@ def create_train_loader(
         *,
         split: str = 'train',
         subset: Optional[int] = None,
+        num_samples: Optional[int] = None,
         workers: int = 2,
         seed: int = 42,
         rank: int = 0,
         world_size: int = 1,
-        no_aug: bool = False,
-        scale: Optional[Sequence[float]] = None,
-        hflip: float = 0.5,
-        color_jitter: float = 0.,
+        augment: Optional[Dict[str, Any]] = None,
         pin_memory: bool = False,
 ) -> DataLoader:
-    """Training loader: timm train transforms, shuffled by a `DistributedSampler` (also with one process).
+    """Training loader: `timm.data.create_transform(**data_config, is_training=True, **augment)`, shuffled by a
+    `DistributedSampler` (also with one process), or, for a stream, in the stream's own order.
 
-    The order of an epoch depends only on (seed, epoch): call `set_loader_epoch(loader, epoch)` before each epoch.
-    Batches are per process (`batch_size` each); the last incomplete batch is dropped.
+    `augment` holds `create_transform`'s training arguments by their timm names (`auto_augment`, `re_prob`,
+    `scale`, `hflip`, ...). The order of an epoch depends only on (seed, epoch): call
+    `set_loader_epoch(loader, epoch)` before each epoch. Batches are per process (`batch_size` each); the last
+    incomplete batch is dropped. A stream shards itself over processes and loader workers (timm's readers) and
+    takes no `subset`: `num_samples` sets its epoch length where its metadata does not.
     """
-    transform = create_transform(
-        **data_config, is_training=True, no_aug=no_aug, scale=scale, hflip=hflip, color_jitter=color_jitter)
-    dataset = create_image_dataset(name, root, split, in_chans=data_config['input_size'][0], transform=transform)
-    dataset = _subset(dataset, subset)
-    if len(dataset) < batch_size * world_size:
+    transform = create_transform(**{**data_config, **(augment or {})}, is_training=True)
+    dataset = create_image_dataset(
+        name, root, split, in_chans=data_config['input_size'][0], transform=transform, is_training=True,
+        num_samples=num_samples, batch_size=batch_size, seed=seed, workers=workers)
+    if is_stream(dataset):
+        if subset:
+            raise DataError(f"a streamed dataset ('{name}') has no random access for a subset: pass "
+                            f'--train-num-samples {subset} to shorten its epochs instead.')
+        sampler = None
+    else:
+        dataset = _subset(dataset, subset)
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    if len(dataset) < batch_size * (1 if sampler is None else world_size):
         raise DataError(
             f'the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world_size} '
             f'processes); lower --batch-size or use more data.')
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True,
         pin_memory=pin_memory, generator=torch.Generator(), persistent_workers=False)
@@ -276,7 +356,10 @@ def create_train_loader(
 
 def set_loader_epoch(loader: DataLoader, epoch: int, seed: int, rank: int = 0) -> None:
     """Fix the data order and the worker seeds (augmentation) of `epoch` for a loader from `create_train_loader`."""
-    loader.sampler.set_epoch(epoch)
+    if loader.sampler is not None and hasattr(loader.sampler, 'set_epoch'):
+        loader.sampler.set_epoch(epoch)
+    if hasattr(loader.dataset, 'set_epoch'):  # a stream's shard and sample shuffle
+        loader.dataset.set_epoch(epoch)
     loader.generator.manual_seed(seed * 1_000_003 + epoch * 1_009 + rank)
 
 
@@ -288,6 +371,7 @@ def create_eval_loader(
         *,
         split: str = 'validation',
         subset: Optional[int] = None,
+        num_samples: Optional[int] = None,
         workers: int = 2,
         rank: int = 0,
         world_size: int = 1,
@@ -296,9 +380,13 @@ def create_eval_loader(
     """Evaluation loader: timm eval transforms, each process takes every `world_size`-th sample (no padding).
 
     Without padding the per-rank sums of loss / correct predictions add up to the exact metrics of the whole set.
+    A stream is split over processes by its shards (timm's readers), in order.
     """
     transform = create_transform(**data_config, is_training=False)
-    dataset = create_image_dataset(name, root, split, in_chans=data_config['input_size'][0], transform=transform)
+    dataset = create_image_dataset(name, root, split, in_chans=data_config['input_size'][0], transform=transform,
+                                   num_samples=num_samples, batch_size=batch_size, workers=workers)
+    if is_stream(dataset):
+        return DataLoader(dataset, batch_size=batch_size, num_workers=workers, pin_memory=pin_memory)
     dataset = _subset(dataset, subset)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=list(range(rank, len(dataset), world_size)),

@@ -8,7 +8,7 @@ line prints any of them as one line and exits with status 2 (`timm_affinediv.cli
 __all__ = [
     'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',
     'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError',
-    'DeviceError']
+    'DeviceError', 'NormMismatchError']
 
 
 class AffineDivError(Exception):
@@ -61,3 +61,7 @@ class ExportError(AffineDivError, RuntimeError):
 
 class DeviceError(AffineDivError, ValueError):
     """A device that does not exist here (e.g. 'cuda' on a machine without one)."""
+
+
+class NormMismatchError(AffineDivError, ValueError):
+    """A state dict of a model with other norm layers (BatchNorm) loaded into `patchnorm` / `affinediv` slots."""

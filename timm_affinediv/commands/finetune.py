@@ -1,13 +1,19 @@
-"""Train or fine-tune a timm model (PatchNorm or any other) on Fashion-MNIST or an image folder.
+"""Train or fine-tune a timm model (PatchNorm or any other) on Fashion-MNIST or any dataset of timm's
+`create_dataset` (image folder, torch/NAME, hfds/NAME, and the streams wds/NAME, hfids/NAME, tfds/NAME).
 
-Flags follow timm's train.py. One process:
+Flags, and the defaults of timm's recipe flags, follow timm's train.py. One process:
     timm-affinediv finetune --model resnet18 --num-classes 10 --epochs 5 --output runs/r18
 Fine-tune a converted model with distillation from the original:
     timm-affinediv finetune --model resnet18 --norm-layer patchnorm --initial-checkpoint converted/ \\
         --teacher resnet18 --teacher-checkpoint original/ --distill-weight 0.5 --output runs/r18-pn
 Several processes (DistributedDataParallel; gloo on CPU, nccl on CUDA):
     torchrun --nproc_per_node=2 -m timm_affinediv finetune --model resnet18 --num-classes 10 --output runs/ddp
-Resume (same result as an uninterrupted run):  ... --resume runs/r18
+A timm recipe (the args.yaml train.py writes; flags given override it), with RandAugment, mixup and cutmix:
+    timm-affinediv finetune --config args.yaml --model resnet18 --norm-layer patchnorm --output runs/recipe
+    timm-affinediv finetune --aa rand-m9-mstd0.5 --mixup 0.2 --cutmix 1.0 --reprob 0.25 --opt lamb --lr-base 5e-3
+Resume (same result as an uninterrupted run, bit for bit):  ... --resume runs/r18
+A streamed dataset (wds/, hfids/, tfds/) resumes at the last epoch boundary: the epoch a stop interrupted
+restarts from its beginning, so the resumed run is equivalent to, not bit for bit, an uninterrupted one.
 """
 import argparse
 import logging
@@ -17,14 +23,12 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from timm.optim import list_optimizers
 from timm.utils import ParseKwargs, setup_default_logging
 
 from timm_affinediv.cli import (
     add_data_args,
     add_model_args,
     existing_path,
-    non_negative_float,
     non_negative_int,
     norm_name,
     positive_float,
@@ -35,6 +39,7 @@ from timm_affinediv.cli import (
     unit_interval,
 )
 from timm_affinediv.commands import command_parser
+from timm_affinediv.commands.recipe_args import add_recipe_arguments, parse_with_config
 from timm_affinediv.data import DataError
 from timm_affinediv.pipeline import final_top1, publish_run
 from timm_affinediv.train import NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted
@@ -69,34 +74,14 @@ def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('-vb', '--validation-batch-size', type=positive_int)
     g.add_argument('-j', '--workers', type=non_negative_int, default=d.workers,
                    help='data loading processes per process')
-    g.add_argument('--no-aug', action='store_true', help='no training augmentation')
-    g.add_argument('--scale', type=unit_interval, nargs=2, default=d.scale, metavar=('MIN', 'MAX'),
-                   help='random resized crop area range')
-    g.add_argument('--hflip', type=unit_interval, default=d.hflip)
-    g.add_argument('--color-jitter', type=non_negative_float, default=d.color_jitter)
 
 
-def add_optimisation_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
-    """Epochs, timm's optimizer and scheduler, AMP, gradient accumulation and clipping, EMA."""
-    g = p.add_argument_group('optimisation')
-    g.add_argument('--epochs', type=positive_int, default=d.epochs)
-    g.add_argument('--opt', default=d.opt, choices=list_optimizers(), metavar='OPT',
-                   help='timm optimizer name (timm.optim.list_optimizers())')
-    g.add_argument('--lr', type=positive_float, default=d.lr)
-    g.add_argument('--momentum', type=non_negative_float, default=d.momentum)
-    g.add_argument('--weight-decay', type=non_negative_float, default=d.weight_decay)
-    g.add_argument('--sched', default=d.sched, help="timm scheduler name, or 'none'")
-    g.add_argument('--sched-on-epochs', dest='sched_on_updates', action='store_false',
-                   help='step the schedule once per epoch instead of each update')
-    g.add_argument('--warmup-epochs', type=non_negative_int, default=d.warmup_epochs)
-    g.add_argument('--warmup-lr', type=non_negative_float, default=d.warmup_lr)
-    g.add_argument('--min-lr', type=non_negative_float, default=d.min_lr)
-    g.add_argument('--smoothing', type=unit_interval, default=d.smoothing, help='label smoothing')
+def add_precision_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """AMP, gradient accumulation, EMA (timm's recipe flags: `recipe_args.add_recipe_arguments`)."""
+    g = p.add_argument_group('precision, accumulation, EMA')
     g.add_argument('--amp', action='store_true', help='mixed precision (bfloat16 on CPU, float16 on CUDA)')
     g.add_argument('--amp-dtype', choices=('bfloat16', 'float16'))
     g.add_argument('--grad-accum-steps', type=positive_int, default=d.grad_accum_steps)
-    g.add_argument('--clip-grad', type=positive_float, help='gradient clipping value')
-    g.add_argument('--clip-mode', default=d.clip_mode, choices=('norm', 'value', 'agc'))
     g.add_argument('--model-ema', action='store_true', help='keep (and publish) EMA weights')
     g.add_argument('--model-ema-decay', type=unit_interval, default=d.model_ema_decay)
     g.add_argument('--model-ema-warmup', action='store_true')
@@ -123,20 +108,24 @@ def add_run_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('--overwrite', action='store_true',
                    help='write into an --output that holds an earlier run (its files of the same names are replaced)')
     g.add_argument('--resume', metavar='PATH', type=existing_path,
-                   help='continue from a run folder or checkpoint folder')
+                   help='continue from a run folder or checkpoint folder, bit for bit; a streamed dataset (wds/, '
+                        'hfids/, tfds/) continues from the last epoch boundary')
     g.add_argument('--checkpoint-hist', type=positive_int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
     g.add_argument('--log-interval', type=positive_int, default=d.log_interval, help='updates between loss checks')
     g.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bars')
 
 
 #: The flag groups of the command line, in --help order; each adds flags whose `dest` is a `TrainConfig` field.
-FLAG_GROUPS = (add_model_group, add_data_group, add_optimisation_group, add_distillation_group, add_run_group)
+FLAG_GROUPS = (add_model_group, add_data_group, add_recipe_arguments, add_precision_group, add_distillation_group,
+               add_run_group)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line; each flag's `dest` is a `TrainConfig` field, but `--overwrite`."""
     d = TrainConfig()
     p = command_parser('finetune', __doc__)
+    p.add_argument('-c', '--config', metavar='FILE',
+                   help="a timm train.py args.yaml whose settings are the defaults (machine settings left out)")
     for add_group in FLAG_GROUPS:
         add_group(p, d)
     return p
@@ -150,12 +139,14 @@ def _resumes_into(resume: Optional[str], output: str) -> bool:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line; return the exit status (0 done, 1 failed, 2 bad input, 130 interrupted)."""
     setup_default_logging(default_level=logging.INFO if os.environ.get('RANK', '0') == '0' else logging.WARNING)
-    args = vars(build_parser().parse_args(argv))
+    namespace, from_config = parse_with_config(build_parser(), argv)
+    args = vars(namespace)
+    config = args.pop('config')
+    if config:
+        _logger.info(f"recipe from {config}: {', '.join(from_config)}")
     if not args.pop('overwrite') and not _resumes_into(args['resume'], args['output']):
         refuse_existing_output(args['output'], flag='--overwrite, or --resume to continue that run,')
-    cfg = TrainConfig(**{k: v for k, v in args.items() if v is not None})
-    if cfg.scale is not None:
-        cfg.scale = tuple(cfg.scale)
+    cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})
     try:
         trainer = Trainer(cfg)
         result = trainer.fit()

@@ -7,6 +7,7 @@ from .slot import (
     AffineDivNorm,
     AffineDivNorm2d,
     AffineDivNormAct2d,
+    NormMismatchError,
     PatchNorm,
     PatchNorm2d,
     PatchNormAct2d,

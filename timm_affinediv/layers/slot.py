@@ -25,12 +25,33 @@ from timm.layers import register_notrace_module
 from timm.layers.typing import LayerType
 
 from .._timm_compat import create_act
+from ..errors import NormMismatchError
 from .affine_div import _check_scale, portable_ops
 from .kernels import use_triton
 from .norm import channel_affine, l2_normalise
 
 __all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
-           'SlotBinding']
+           'SlotBinding', 'NormMismatchError']
+
+# what a BatchNorm layer's state dict holds beyond the affine a slot shares with it
+_BATCHNORM_STATISTICS = ('running_mean', 'running_var', 'num_batches_tracked')
+
+
+def _refuse_batchnorm_statistics(
+        module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+        missing_keys: Any, unexpected_keys: Any, error_msgs: Any) -> None:
+    """Raise `NormMismatchError` when the state dict holds BatchNorm running statistics for this slot, strict or
+    not: loading only the shared `weight`/`bias` would make a model without the checkpoint's normalisation.
+    A fused slot is also its producer's `fused_slot`, but there its prefix matches no key, so this fires once."""
+    found = [prefix + name for name in _BATCHNORM_STATISTICS if prefix + name in state_dict]
+    if found:
+        raise NormMismatchError(
+            f"the state dict is a BatchNorm model's: it holds {', '.join(found)} for the '{module.norm_name}' slot "
+            f"{prefix[:-1] or '(root)'}, whose running statistics this model has no place for (loading it "
+            f"would drop them and give a different model). Convert the BatchNorm model instead: "
+            f"`timm-affinediv convert --model NAME --checkpoint FILE --output DIR`, or "
+            f"`timm_affinediv.convert_model(model)` in Python.")
+
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,7 @@ class PatchNormSlot(nn.Module):
     __constants__ = ['channel_dim']
     # `affinediv` slots: every affine map of the model is corrected, the slot is only an affine
     corrects_all_affine = False
+    norm_name = 'patchnorm'
 
     def __init__(self, num_features: int, eps: float = 1e-6, scale: str = 'rms', device=None, dtype=None):
         super().__init__()
@@ -73,6 +95,7 @@ class PatchNormSlot(nn.Module):
         self.fused = False
         # set by the producer's `fuse_post_affine`: whether its Triton path applies this slot's activation
         self.activation_in_producer = False
+        self.register_load_state_dict_pre_hook(_refuse_batchnorm_statistics)
 
     def bind(self, binding: SlotBinding, fused: bool = False) -> None:
         """Record the binding; `fused`: the producer applies this slot's affine (`fuse_post_affine`)."""
@@ -173,15 +196,18 @@ class AffineDivNorm2d(PatchNorm2d):
     of the model divergence corrected; never normalises, only `weight * x + bias` (the paper's
     alternative to normalisation)."""
     corrects_all_affine = True
+    norm_name = 'affinediv'
 
 
 @register_notrace_module
 class AffineDivNorm(PatchNorm):
     """The `affinediv` slot over the last dimension (see `AffineDivNorm2d`)."""
     corrects_all_affine = True
+    norm_name = 'affinediv'
 
 
 @register_notrace_module
 class AffineDivNormAct2d(PatchNormAct2d):
     """The `affinediv` slot + dropout + activation, for timm's norm-act factory."""
     corrects_all_affine = True
+    norm_name = 'affinediv'

@@ -8,7 +8,8 @@ from .config import (
     TrainingError,
     TrainingInterrupted,
     TrainResult,
+    load_timm_args,
 )
 from .distill import DistillationLoss, create_teacher
 from .metrics import evaluate, plot_history
-from .trainer import Trainer, create_train_model
+from .trainer import Trainer, create_train_loss, create_train_model

@@ -17,6 +17,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from .._io import atomic_write
+from ..errors import NormMismatchError
 from .config import CheckpointError, ConfigError
 
 __all__ = ['resolve_checkpoint', 'prune_checkpoints']
@@ -50,6 +51,8 @@ def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
 def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
     try:
         model.load_state_dict(state_dict, strict=True)
+    except NormMismatchError as e:  # a BatchNorm checkpoint for patchnorm slots
+        raise ConfigError(f'{what} {path}: {e}') from e
     except RuntimeError as e:  # missing / unexpected keys, shape mismatches
         raise ConfigError(f'{what} {path} does not fit the model: {e}') from e
 

@@ -1,5 +1,6 @@
 """ The settings of a training run and the errors it reports """
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -8,7 +9,9 @@ import torch.nn as nn
 from ..errors import CheckpointError, ConfigError, NonFiniteLossError, TrainingError
 
 __all__ = ['TrainConfig', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError', 'NonFiniteLossError',
-           'TrainingInterrupted', 'AMP_DTYPES']
+           'TrainingInterrupted', 'AMP_DTYPES', 'DEFAULT_LR', 'load_timm_args']
+
+_logger = logging.getLogger(__name__)
 
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 
@@ -22,10 +25,18 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.checkpoint = checkpoint
 
 
+#: the learning rate when neither `lr` nor `lr_base` is set (timm's train.py scales `lr_base` 0.1 by the batch)
+DEFAULT_LR = 1e-3
+
+
 @dataclass
 class TrainConfig:
-    """Settings of a training run; field names follow timm's `train.py` flags (`--grad-accum-steps` ->
-    `grad_accum_steps`). `model_kwargs` go to `timm.create_model` (with `norm_layer` / `in_chans` / `num_classes`)."""
+    """Settings of a training run. Field names and, for timm's recipe settings, defaults are those of timm's
+    `train.py` flags (`--grad-accum-steps` -> `grad_accum_steps`), so a `train.py` `args.yaml` maps onto it
+    (`load_timm_args`). Defaults made for fine-tuning differ from train.py's (which trains from scratch): `opt`,
+    `lr`, `weight_decay`, `epochs`, `warmup_epochs`, `sched_on_updates`, `scale`, `color_jitter`,
+    `checkpoint_hist`, `workers`. `model_kwargs` go to `timm.create_model` (with `norm_layer` / `in_chans` /
+    `num_classes`)."""
     # model
     model: str = 'resnet18'
     pretrained: bool = False
@@ -34,38 +45,100 @@ class TrainConfig:
     norm_layer: Optional[str] = None
     num_classes: Optional[int] = None
     in_chans: Optional[int] = None
+    drop: float = 0.
+    drop_path: Optional[float] = None
+    drop_block: Optional[float] = None
+    grad_checkpointing: bool = False
+    channels_last: bool = False
+    torchcompile: Optional[str] = None  # a torch.compile backend ('inductor')
+    torchcompile_mode: Optional[str] = None
     # data
     dataset: str = 'fashion-mnist'
     data_dir: Optional[str] = None
     train_split: str = 'train'
     val_split: str = 'validation'
+    train_num_samples: Optional[int] = None  # a stream's epoch length where its metadata does not give it
+    val_num_samples: Optional[int] = None
     img_size: Optional[int] = None
+    input_size: Optional[Tuple[int, int, int]] = None
+    crop_pct: Optional[float] = None
+    mean: Optional[Tuple[float, ...]] = None
+    std: Optional[Tuple[float, ...]] = None
+    interpolation: str = ''
     train_subset: Optional[int] = None
     val_subset: Optional[int] = None
     batch_size: int = 128
     validation_batch_size: Optional[int] = None
     workers: int = 2
+    # augmentation (timm.data.create_transform) and regularisation
     no_aug: bool = False
+    train_crop_mode: Optional[str] = None
     scale: Optional[Tuple[float, float]] = (0.75, 1.0)  # random-resized-crop area; milder than timm's (0.08, 1)
+    ratio: Tuple[float, float] = (3. / 4., 4. / 3.)
     hflip: float = 0.5
+    vflip: float = 0.
     color_jitter: float = 0.
-    # optimisation
-    epochs: int = 10
+    color_jitter_prob: Optional[float] = None
+    grayscale_prob: Optional[float] = None
+    gaussian_blur_prob: Optional[float] = None
+    aa: Optional[str] = None
+    reprob: float = 0.
+    remode: str = 'pixel'
+    recount: int = 1
+    train_interpolation: str = 'random'
+    # mixup / cutmix (timm.data.Mixup) and the loss
+    mixup: float = 0.
+    cutmix: float = 0.
+    cutmix_minmax: Optional[Tuple[float, float]] = None
+    mixup_prob: float = 1.
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = 'batch'
+    mixup_off_epoch: int = 0
+    smoothing: float = 0.1
+    bce_loss: bool = False
+    bce_sum: bool = False
+    bce_target_thresh: Optional[float] = None
+    bce_pos_weight: Optional[float] = None
+    # optimiser (timm.optim.create_optimizer_v2 through optimizer_kwargs)
     opt: str = 'adamw'
-    lr: float = 1e-3
+    opt_eps: Optional[float] = None
+    opt_betas: Optional[Tuple[float, ...]] = None
     momentum: float = 0.9
     weight_decay: float = 0.05
+    clip_grad: Optional[float] = None
+    clip_mode: str = 'norm'
+    layer_decay: Optional[float] = None
+    layer_decay_min_scale: float = 0.
+    layer_decay_no_opt_scale: Optional[float] = None
+    opt_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # learning-rate schedule (timm.scheduler.create_scheduler_v2 through scheduler_kwargs)
     sched: str = 'cosine'
     sched_on_updates: bool = True
-    warmup_epochs: int = 0
+    lr: Optional[float] = None  # None: from lr_base, or DEFAULT_LR without it
+    lr_base: Optional[float] = None
+    lr_base_size: int = 256
+    lr_base_scale: str = ''
+    lr_noise: Optional[Tuple[float, ...]] = None
+    lr_noise_pct: float = 0.67
+    lr_noise_std: float = 1.
+    lr_cycle_mul: float = 1.
+    lr_cycle_decay: float = 0.5
+    lr_cycle_limit: int = 1
+    lr_k_decay: float = 1.
     warmup_lr: float = 1e-5
     min_lr: float = 0.
-    smoothing: float = 0.1
+    epochs: int = 10
+    decay_milestones: Tuple[int, ...] = (90, 180, 270)
+    decay_epochs: float = 90
+    warmup_epochs: int = 0
+    warmup_prefix: bool = False
+    cooldown_epochs: int = 0
+    patience_epochs: int = 10
+    decay_rate: float = 0.1
+    # precision, accumulation, EMA
     amp: bool = False
     amp_dtype: Optional[str] = None  # None: bfloat16 on CPU, float16 on CUDA
     grad_accum_steps: int = 1
-    clip_grad: Optional[float] = None
-    clip_mode: str = 'norm'
     model_ema: bool = False
     model_ema_decay: float = 0.9998
     model_ema_warmup: bool = False
@@ -84,8 +157,50 @@ class TrainConfig:
     log_interval: int = 50
     progress: bool = True
 
+    @property
+    def mixup_active(self) -> bool:
+        """Mixup or cutmix on (timm's train.py condition): the targets are soft, the loss takes them."""
+        return self.mixup > 0 or self.cutmix > 0 or self.cutmix_minmax is not None
+
+    def resolve_lr(self, world_size: int = 1) -> float:
+        """`lr`, else timm's train.py rule `lr_base * (global batch / lr_base_size)` (square root of the ratio
+        for 'ada*' / 'lamb' optimisers unless `lr_base_scale` says), else `DEFAULT_LR`."""
+        if self.lr is not None:
+            return self.lr
+        if self.lr_base is None:
+            return DEFAULT_LR
+        ratio = self.batch_size * world_size * self.grad_accum_steps / self.lr_base_size
+        scale = self.lr_base_scale or ('sqrt' if any(o in self.opt.lower() for o in ('ada', 'lamb')) else 'linear')
+        return self.lr_base * (ratio ** 0.5 if scale == 'sqrt' else ratio)
+
+    def transform_kwargs(self) -> Dict[str, Any]:
+        """The training arguments of `timm.data.create_transform`, by timm's names (as train.py passes them)."""
+        kwargs = dict(
+            no_aug=self.no_aug, train_crop_mode=self.train_crop_mode, scale=self.scale, ratio=self.ratio,
+            hflip=self.hflip, vflip=self.vflip, color_jitter=self.color_jitter,
+            color_jitter_prob=self.color_jitter_prob, grayscale_prob=self.grayscale_prob,
+            gaussian_blur_prob=self.gaussian_blur_prob, auto_augment=self.aa, re_prob=self.reprob,
+            re_mode=self.remode, re_count=self.recount)
+        if self.train_interpolation and not self.no_aug:
+            kwargs['interpolation'] = self.train_interpolation
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def mixup_kwargs(self, num_classes: int) -> Dict[str, Any]:
+        """The arguments of `timm.data.Mixup` (label smoothing moves into its soft targets)."""
+        return dict(mixup_alpha=self.mixup, cutmix_alpha=self.cutmix, cutmix_minmax=self.cutmix_minmax,
+                    prob=self.mixup_prob, switch_prob=self.mixup_switch_prob, mode=self.mixup_mode,
+                    label_smoothing=self.smoothing, num_classes=num_classes)
+
+    def data_config_overrides(self) -> Dict[str, Any]:
+        """The `--input-size` / `--img-size` / `--crop-pct` / `--mean` / `--std` / `--interpolation` given, in
+        the form `timm.data.resolve_data_config` takes."""
+        args = dict(input_size=self.input_size, img_size=self.img_size, crop_pct=self.crop_pct, mean=self.mean,
+                    std=self.std, interpolation=self.interpolation or None)
+        return {k: v for k, v in args.items() if v is not None}
+
     def validate(self) -> None:
         """Raise `ConfigError` for settings that cannot work."""
+        channels = self.input_size[0] if self.input_size else self.in_chans
         checks = [
             (self.epochs >= 1, f'epochs must be >= 1, got {self.epochs}'),
             (self.batch_size >= 1, f'batch size must be >= 1, got {self.batch_size}'),
@@ -103,6 +218,25 @@ class TrainConfig:
             (self.checkpoint_hist >= 1, f'checkpoint-hist must be >= 1, got {self.checkpoint_hist}'),
             (not (self.teacher_checkpoint and not self.teacher),
              'teacher-checkpoint needs --teacher MODEL_NAME (the architecture of the checkpoint)'),
+            (self.lr is None or self.lr > 0, f'lr must be > 0, got {self.lr}'),
+            (self.lr_base_scale in ('', 'linear', 'sqrt'), f"lr-base-scale must be 'linear' or 'sqrt', got "
+                                                           f"'{self.lr_base_scale}'"),
+            (self.mixup_mode in ('batch', 'pair', 'elem'), f"mixup-mode must be batch, pair or elem, got "
+                                                           f"'{self.mixup_mode}'"),
+            (not self.mixup_active or self.batch_size % 2 == 0,
+             f'mixup / cutmix mix pairs of samples: --batch-size must be even, got {self.batch_size}'),
+            (self.cutmix_minmax is None or len(self.cutmix_minmax) == 2,
+             f'cutmix-minmax takes two numbers (MIN MAX), got {self.cutmix_minmax}'),
+            (self.remode in ('pixel', 'rand', 'const'), f"remode must be pixel, rand or const, got '{self.remode}'"),
+            (0. <= self.reprob <= 1., f'reprob must be in [0, 1], got {self.reprob}'),
+            (self.input_size is None or len(self.input_size) == 3,
+             f'input-size takes three numbers (C H W), got {self.input_size}'),
+            (not (self.in_chans and self.input_size and self.in_chans != self.input_size[0]),
+             f'--in-chans {self.in_chans} contradicts --input-size {self.input_size}'),
+            (all(v is None or channels is None or len(v) in (1, channels) for v in (self.mean, self.std)),
+             f'mean / std need 1 or {channels} values, got {self.mean} / {self.std}'),
+            (self.layer_decay is None or 0 < self.layer_decay <= 1,
+             f'layer-decay must be in (0, 1], got {self.layer_decay}'),
         ]
         for ok, message in checks:
             if not ok:
@@ -126,3 +260,58 @@ class TrainResult:
     output_dir: str
     weights_file: str
     eval_set: str = ''  # the validation set in words, with its size (`describe_split`)
+
+
+# train.py settings of the machine or its logging, not of what is trained: a recipe's values are not used
+_TIMM_MACHINE_KEYS = frozenset({
+    'data', 'data_dir', 'workers', 'device', 'local_rank', 'device_modules', 'output', 'experiment', 'resume',
+    'no_resume_opt',
+    'log_wandb', 'wandb_project', 'wandb_tags', 'wandb_resume_id', 'pin_mem', 'no_prefetcher', 'prefetcher',
+    'use_multi_epochs_loader', 'worker_seeding', 'save_images', 'recovery_interval', 'val_interval', 'tta',
+    'no_ddp_bb', 'synchronize_step', 'fuser', 'dataset_download', 'dataset_trust_remote_code', 'log_interval',
+    'checkpoint_hist', 'config', 'dist_bn', 'sync_bn', 'split_bn', 'model_ema_force_cpu', 'input_img_mode'})
+# train.py settings this trainer does not have, by their train.py defaults: a recipe that changes one is refused
+_TIMM_UNSUPPORTED = {
+    'aug_splits': 0, 'aug_repeats': 0, 'jsd_loss': False, 'resplit': False, 'model_dtype': None,
+    'naflex_loader': False, 'kd_model_name': None, 'epoch_repeats': 0., 'start_epoch': None, 'train_img_sizes': None,
+    'head_init_scale': None, 'head_init_bias': None, 'gp': None, 'bn_momentum': None, 'bn_eps': None,
+    'fast_norm': False, 'pretrained_path': None, 'class_map': '', 'input_key': None, 'target_key': None,
+    'eval_metric': 'top1', 'drop_connect': None, 'torchscript': False, 'train_batches_per_epoch': None}
+_TUPLE_FIELDS = frozenset(f.name for f in fields(TrainConfig) if 'Tuple' in str(f.type))
+
+
+def load_timm_args(path: str) -> Dict[str, Any]:
+    """The `TrainConfig` settings of a timm `train.py` recipe: its `args.yaml` (or any YAML of its flags).
+
+    Settings of the machine and logging (`device`, `data_dir`, `workers`, `output`, `log_wandb`, ...) are left
+    out; a setting this trainer does not have raises `ConfigError` unless it has train.py's default value; other
+    unknown keys are ignored with a warning. Empty strings (train.py's "not set") become None.
+    """
+    import yaml  # timm's own dependency
+
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f'cannot read the config file {path}: {e}') from e
+    if not isinstance(recipe, dict):
+        raise ConfigError(f'{path} is not a YAML mapping of train.py flags (e.g. `opt: lamb`).')
+    known = {f.name for f in fields(TrainConfig)} - _TIMM_MACHINE_KEYS
+    refused = {k: v for k, v in recipe.items() if k in _TIMM_UNSUPPORTED and v not in (_TIMM_UNSUPPORTED[k], '')}
+    if refused:
+        raise ConfigError(f'{path} sets train.py options this trainer does not have: '
+                          f"{', '.join(f'{k}={v!r}' for k, v in refused.items())}; remove them, or train with timm's "
+                          f'train.py (--device-modules timm_affinediv).')
+    ignored = sorted(set(recipe) - known - _TIMM_MACHINE_KEYS - set(_TIMM_UNSUPPORTED))
+    if ignored:
+        _logger.warning(f"{path}: ignoring settings this trainer does not know: {', '.join(ignored)}")
+    settings = {}
+    for key, value in recipe.items():
+        if key not in known:
+            continue
+        if value == '' and key not in ('interpolation', 'lr_base_scale'):
+            value = None
+        if isinstance(value, list) and key in _TUPLE_FIELDS:
+            value = tuple(value)
+        settings[key] = value
+    return settings

@@ -53,11 +53,13 @@ def evaluate(
         autocast: Callable[[], ContextManager] = nullcontext,
         distributed: bool = False,
         progress: bool = False,
+        memory_format: torch.memory_format = torch.contiguous_format,
 ) -> Dict[str, float]:
     """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode.
 
     `device`: where the batches go (default: the model's). `distributed`: sum over all ranks (every rank must call
-    it). The model's train/eval mode is restored afterwards.
+    it). `memory_format`: that of the batches (`torch.channels_last` for a channels-last model). The model's
+    train/eval mode is restored afterwards.
     """
     device = device if device is not None else next(model.parameters()).device
     was_training = model.training
@@ -65,7 +67,7 @@ def evaluate(
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples
     start = time.perf_counter()
     for x, target in tqdm(loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True, disable=not progress):
-        x = x.to(device, non_blocking=True)
+        x = x.to(device, non_blocking=True, memory_format=memory_format)
         target = target.to(device, non_blocking=True)
         with autocast():
             output = model(x)

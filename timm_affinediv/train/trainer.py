@@ -4,8 +4,10 @@
 
     result = Trainer(TrainConfig(model='resnet18', num_classes=10, epochs=3, output='runs/r18')).fit()
 
-Built on timm's factories and helpers: `create_optimizer_v2`, `create_scheduler_v2`, `LabelSmoothingCrossEntropy`,
-`ModelEmaV3`, `NativeScaler` / `dispatch_clip_grad`, `accuracy`, `init_distributed_device_so`. Adds knowledge
+Built on timm's factories and helpers, called as timm's `train.py` calls them: `create_optimizer_v2` with
+`optimizer_kwargs`, `create_scheduler_v2` with `scheduler_kwargs`, `create_transform`, `Mixup`, the losses
+(`SoftTargetCrossEntropy`, `BinaryCrossEntropy`, `LabelSmoothingCrossEntropy`), `ModelEmaV3`, `NativeScaler` /
+`dispatch_clip_grad`, `accuracy`, `init_distributed_device_so`. Adds knowledge
 distillation from a teacher, per-epoch evaluation (loss, top-1, top-5, images/s), CSV / JSON / PNG logs, and
 atomic checkpoints (safetensors weights + optimizer, scheduler, EMA, step and RNG states) from which `resume`
 reproduces an uninterrupted run. Under `torchrun` it trains with DistributedDataParallel; only rank 0 writes files.
@@ -21,16 +23,17 @@ import os
 import signal
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import timm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from timm.loss import LabelSmoothingCrossEntropy
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
+from timm.data import Mixup
+from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2, optimizer_kwargs
+from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_bn, random_seed
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -42,6 +45,7 @@ from ..data import (
     dataset_num_classes,
     describe_split,
     is_fashion_mnist,
+    is_stream,
     resolve_dataset_data_config,
     set_loader_epoch,
 )
@@ -72,7 +76,7 @@ from .distill import DistillationLoss, create_teacher
 from .distributed import init_distributed
 from .metrics import evaluate, write_metrics
 
-__all__ = ['Trainer', 'create_train_model']
+__all__ = ['Trainer', 'create_train_model', 'create_train_loss']
 
 _logger = logging.getLogger(__name__)
 
@@ -99,6 +103,8 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
     kwargs.setdefault('in_chans', in_chans)
     if cfg.num_classes and not cfg.initial_checkpoint:
         kwargs.setdefault('num_classes', cfg.num_classes)
+    regularisation = dict(drop_rate=cfg.drop or None, drop_path_rate=cfg.drop_path, drop_block_rate=cfg.drop_block)
+    kwargs.update({k: v for k, v in regularisation.items() if v is not None and k not in kwargs})
     if ':' not in cfg.model and not timm.is_model(cfg.model):  # 'hf-hub:' / 'local-dir:' names resolve later
         raise ConfigError(f"unknown model '{cfg.model}'; list the names with timm.list_models().")
     model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
@@ -109,6 +115,17 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
             model = timm.create_model(cfg.model, **kwargs, num_classes=classes)
         _load_weights(model, state_dict, cfg.initial_checkpoint, 'initial checkpoint')
     return model
+
+
+def create_train_loss(cfg: TrainConfig) -> nn.Module:
+    """The training loss timm's train.py picks: soft-target cross-entropy (or BCE) on mixup's soft targets,
+    label-smoothed cross-entropy (or BCE) without mixup, plain cross-entropy without smoothing."""
+    bce = dict(target_threshold=cfg.bce_target_thresh, sum_classes=cfg.bce_sum, pos_weight=cfg.bce_pos_weight)
+    if cfg.mixup_active:  # the smoothing is in the mixed targets
+        return BinaryCrossEntropy(**bce) if cfg.bce_loss else SoftTargetCrossEntropy()
+    if cfg.bce_loss:
+        return BinaryCrossEntropy(smoothing=cfg.smoothing, **bce)
+    return LabelSmoothingCrossEntropy(cfg.smoothing) if cfg.smoothing > 0 else nn.CrossEntropyLoss()
 
 
 def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[int]) -> None:
@@ -152,47 +169,63 @@ class Trainer:
         self.amp_dtype = self._resolve_amp_dtype()
         random_seed(cfg.seed)  # the same initial weights on every rank
 
-        in_chans = 1 if is_fashion_mnist(cfg.dataset) else (cfg.in_chans or 3)
-        if cfg.in_chans and cfg.in_chans != in_chans:
-            raise ConfigError(f'Fashion-MNIST has 1 channel, not --in-chans {cfg.in_chans}.')
+        asked_chans = cfg.in_chans or (cfg.input_size[0] if cfg.input_size else None)
+        in_chans = 1 if is_fashion_mnist(cfg.dataset) else (asked_chans or 3)
+        if asked_chans and asked_chans != in_chans:
+            raise ConfigError(f'Fashion-MNIST has 1 channel, not {asked_chans} (--in-chans / --input-size).')
         model = model if model is not None else create_train_model(cfg, in_chans)
-        self.data_config = resolve_dataset_data_config(cfg.dataset, model, in_chans, cfg.img_size)
+        if cfg.grad_checkpointing:
+            model.set_grad_checkpointing(enable=True)
+        self.data_config = resolve_dataset_data_config(
+            cfg.dataset, model, in_chans, overrides=cfg.data_config_overrides())
         # the preprocessing the weights expect travels with them (config.json, resolve_data_config)
         model.pretrained_cfg = {**getattr(model, 'pretrained_cfg', {}), **self.data_config}
         loader_args = dict(workers=cfg.workers, rank=self.rank, world_size=self.world_size,
                            pin_memory=self.device.type == 'cuda')
         self.train_loader = create_train_loader(
             cfg.dataset, cfg.data_dir, self.data_config, cfg.batch_size, split=cfg.train_split,
-            subset=cfg.train_subset, seed=cfg.seed, no_aug=cfg.no_aug, scale=cfg.scale, hflip=cfg.hflip,
-            color_jitter=cfg.color_jitter, **loader_args)
+            subset=cfg.train_subset, num_samples=cfg.train_num_samples, seed=cfg.seed,
+            augment=cfg.transform_kwargs(), **loader_args)
         self.val_loader = create_eval_loader(
             cfg.dataset, cfg.data_dir, self.data_config, cfg.validation_batch_size or cfg.batch_size,
-            split=cfg.val_split, subset=cfg.val_subset, **loader_args)
-        self.num_classes = dataset_num_classes(self.train_loader.dataset)
+            split=cfg.val_split, subset=cfg.val_subset, num_samples=cfg.val_num_samples, **loader_args)
+        self.stream = is_stream(self.train_loader.dataset)
+        self.num_classes = dataset_num_classes(self.train_loader.dataset) or cfg.num_classes
+        if self.num_classes is None:
+            raise ConfigError(f"dataset '{cfg.dataset}' does not say its number of classes: pass --num-classes.")
         _match_head(model, self.num_classes, cfg.num_classes)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError('the model has no trainable parameters (all have requires_grad=False).')
         self.model = model.to(self.device)
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        if cfg.channels_last:
+            self.model.to(memory_format=torch.channels_last)
         random_seed(cfg.seed, self.rank)  # each rank its own augmentation / dropout stream
         self.model_args = {**cfg.model_kwargs, 'in_chans': in_chans, 'num_classes': self.num_classes}
         if cfg.norm_layer:
             self.model_args['norm_layer'] = cfg.norm_layer
 
         self.teacher = self._create_teacher(teacher, in_chans)
+        self.lr = cfg.resolve_lr(self.world_size)
         self.optimizer = create_optimizer_v2(
-            self.model, opt=cfg.opt, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum)
+            self.model, **optimizer_kwargs(dataclasses.replace(cfg, lr=self.lr)), **cfg.opt_kwargs)
         self.updates_per_epoch = math.ceil(len(self.train_loader) / cfg.grad_accum_steps)
         self.scheduler, self.num_epochs = create_scheduler_v2(
-            self.optimizer, sched=cfg.sched, num_epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
-            warmup_lr=cfg.warmup_lr, min_lr=cfg.min_lr, step_on_epochs=not cfg.sched_on_updates,
-            updates_per_epoch=self.updates_per_epoch)
+            self.optimizer, **scheduler_kwargs(cfg), updates_per_epoch=self.updates_per_epoch)
+        if self.scheduler is None:  # timm's schedulers apply the layer-decay scales; without one, apply them here
+            for group in self.optimizer.param_groups:
+                group['lr'] = self.lr * group.get('lr_scale', 1.)
         self.loss_scaler = NativeScaler(self.device.type) if self.amp_dtype == torch.float16 else None
-        base_loss = LabelSmoothingCrossEntropy(cfg.smoothing) if cfg.smoothing > 0 else nn.CrossEntropyLoss()
+        self.mixup_fn = Mixup(**cfg.mixup_kwargs(self.num_classes)) if cfg.mixup_active else None
+        base_loss = create_train_loss(cfg)
         self.train_loss_fn = DistillationLoss(base_loss, cfg.distill_weight, cfg.distill_temperature) \
             if self.teacher is not None else base_loss
         self.ddp_model = DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == 'cuda' else None) \
             if self.distributed else self.model
+        # compiled for training only; checkpoints and evaluation use the module itself, its names unprefixed
+        self.train_model = torch.compile(self.ddp_model, backend=cfg.torchcompile, mode=cfg.torchcompile_mode) \
+            if cfg.torchcompile else self.ddp_model
         # EMA of the unwrapped model, made after DDP has broadcast rank 0's weights so every rank starts alike
         self.ema = ModelEmaV3(
             self.model, decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup) if cfg.model_ema else None
@@ -274,12 +307,17 @@ class Trainer:
         images/s. Raises `_StopRequested` at an update boundary when a stop was requested."""
         cfg = self.cfg
         accum = cfg.grad_accum_steps
-        num_batches = len(self.train_loader)
+        num_batches = len(self.train_loader)  # for a stream, its estimate of itself
         set_loader_epoch(self.train_loader, epoch, cfg.seed, self.rank)
+        if self.mixup_fn is not None and cfg.mixup_off_epoch and epoch >= cfg.mixup_off_epoch:
+            self.mixup_fn.mixup_enabled = False
+        start = time.perf_counter()  # the loader workers' start-up counts, as in timm's train.py
         loader_iter = iter(self.train_loader)
         first_batch = self.update_in_epoch * accum
         for _ in range(first_batch):  # replay the batches a resumed checkpoint had already used
             next(loader_iter)
+        if first_batch:
+            start = time.perf_counter()  # a resumed epoch's rate leaves the replay out
         if self._pending_rng is not None:
             _set_rng_state(self._pending_rng)
             self._pending_rng = None
@@ -292,19 +330,22 @@ class Trainer:
         progress = tqdm(
             total=num_batches, initial=first_batch, desc=f'train {epoch}', unit='batch', leave=False,
             disable=not (self.is_primary and cfg.progress), dynamic_ncols=True)
-        start = time.perf_counter()
+        batch_idx = first_batch - 1
+        batches = _with_last(loader_iter) if self.stream else (
+            (next(loader_iter), i + 1 == num_batches) for i in range(first_batch, num_batches))
         with progress:
-            for batch_idx in range(first_batch, num_batches):
-                x, target = next(loader_iter)
-                x = x.to(self.device, non_blocking=True)
+            for batch_idx, ((x, target), is_last) in enumerate(batches, start=first_batch):
+                x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
                 target = target.to(self.device, non_blocking=True)
+                if self.mixup_fn is not None:
+                    x, target = self.mixup_fn(x, target)
                 update_idx = batch_idx // accum
-                group_size = min(accum, num_batches - update_idx * accum)
-                need_update = (batch_idx + 1) % accum == 0 or batch_idx + 1 == num_batches
+                group_size = max(1, min(accum, num_batches - update_idx * accum))
+                need_update = (batch_idx + 1) % accum == 0 or is_last
                 sync = self.ddp_model.no_sync() if self.distributed and not need_update else nullcontext()
                 with sync:
                     with self._autocast():
-                        output = self.ddp_model(x)
+                        output = self.train_model(x)
                         if self.teacher is not None:
                             with torch.no_grad():
                                 teacher_output = self.teacher(x)
@@ -341,7 +382,7 @@ class Trainer:
         if self.distributed:
             dist.all_reduce(meter)
         return dict(train_loss=(meter[0] / meter[1]).item(),
-                    train_img_s=(num_batches - first_batch) * batch_size * self.world_size / elapsed)
+                    train_img_s=(batch_idx + 1 - first_batch) * batch_size * self.world_size / elapsed)
 
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]['lr']
@@ -351,7 +392,7 @@ class Trainer:
         summed over all ranks."""
         return evaluate(model if model is not None else self.model, self.val_loader, device=self.device,
                         autocast=self._autocast, distributed=self.distributed,
-                        progress=self.is_primary and self.cfg.progress)
+                        progress=self.is_primary and self.cfg.progress, memory_format=self.memory_format)
 
     def _end_epoch(self, epoch: int, train_metrics: Dict[str, float], epoch_start: float) -> Dict[str, float]:
         """Evaluate, record metrics, step the scheduler and write checkpoint + logs for a finished epoch."""
@@ -409,7 +450,12 @@ class Trainer:
 
     def _save_interrupt_checkpoint(self, epoch: int, at_sync_point: bool) -> Optional[str]:
         """Checkpoint at the last completed update. A raw KeyboardInterrupt can hit any rank anywhere, so then
-        only this rank's RNG state is kept, and nothing is written if the loss had already gone non-finite."""
+        only this rank's RNG state is kept, and nothing is written if the loss had already gone non-finite.
+        A stream cannot be wound forward to a batch: its run keeps the last epoch's checkpoint instead."""
+        if self.stream:
+            _logger.warning(f'streamed dataset: no checkpoint inside epoch {epoch}; --resume continues from the start '
+                            f'of epoch {epoch} ({self.last_checkpoint or "from scratch: no epoch finished"}).')
+            return self.last_checkpoint
         if not math.isfinite(self._meter[0].item()):
             _logger.error('interrupted with a non-finite training loss: no checkpoint written.')
             return None
@@ -519,6 +565,9 @@ class Trainer:
             if state[key] != current:
                 _logger.warning(f'resuming with {key}={current} where the checkpoint had {state[key]}: the run will '
                                 f'not reproduce an uninterrupted one.')
+        if self.stream and state['update_in_epoch']:
+            raise CheckpointError(f'checkpoint {path} is inside epoch {state["epoch"]}, but a streamed dataset resumes '
+                                  f'only at epoch boundaries: resume from an epoch-* checkpoint.')
         self.epoch, self.update_in_epoch, self.num_updates = state['epoch'], state['update_in_epoch'], \
             state['num_updates']
         self.history, self.best = state['history'], state['best']
@@ -527,7 +576,23 @@ class Trainer:
             rank_state = ranks[self.rank] if self.rank < len(ranks) else ranks[0]
             self._pending_rng = rank_state['rng']
             self._meter.copy_(rank_state['meter'])
+        self.last_checkpoint = path
         _logger.info(f'resumed from {path}: epoch {self.epoch}, update {self.update_in_epoch} of it')
+        if self.stream:
+            _logger.info(f'streamed dataset: epoch {self.epoch} starts from its beginning, the stream reshuffled for '
+                         f'it; the run is equivalent to, not bit for bit, an uninterrupted one.')
+
+
+def _with_last(iterator: Iterator[Any]) -> Iterator[Tuple[Any, bool]]:
+    """Each item with whether it is the last: a stream's true length shows only at its end."""
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield item, False
+        item = following
+    yield item, True
 
 
 class _StopRequested(Exception):

@@ -1,0 +1,301 @@
+"""timm's recipe language in the trainer: one test per flag group, each training a few steps of a narrow ResNet
+on a few dozen Fashion-MNIST images, and an interrupted + resumed run with mixup and RandAugment, bit for bit."""
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_train import _interrupt_at_update  # SIGINT after an optimiser update, as Ctrl-C
+from timm.data.auto_augment import RandAugment
+from timm.data.random_erasing import RandomErasing
+from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
+from torch.utils.data import DistributedSampler
+
+from timm_affinediv.data import FASHION_MNIST_DIR, DataError
+from timm_affinediv.train import ConfigError, TrainConfig, Trainer, TrainingInterrupted, load_timm_args
+
+NARROW = dict(channels=(16, 32, 64, 128), stem_width=16)
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(FASHION_MNIST_DIR, 'train-images-idx3-ubyte.gz')),
+    reason='Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)')
+
+
+def recipe(output, **overrides) -> TrainConfig:
+    """One epoch of 2 batches of 16 (32 train, 16 validation images), patchnorm narrow resnet18."""
+    settings = dict(
+        model='resnet18', model_kwargs=dict(NARROW), norm_layer='patchnorm', num_classes=10, epochs=1,
+        train_subset=32, val_subset=16, batch_size=16, workers=0, lr=3e-3, output=str(output), progress=False,
+        log_interval=1)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def _transforms(trainer):
+    return list(trainer.train_loader.dataset.dataset.transform.transforms)
+
+
+def test_augmentation_flags_build_timm_transforms(tmp_path):
+    cfg = recipe(tmp_path, aa='rand-m9-mstd0.5', reprob=0.25, remode='pixel', recount=2, vflip=0.5,
+                 train_interpolation='bicubic', scale=(0.5, 1.0), ratio=(0.8, 1.25))
+    trainer = Trainer(cfg)
+    transforms = _transforms(trainer)
+    kinds = [type(t) for t in transforms]
+    assert RandAugment in kinds and RandomErasing in kinds
+    erasing = transforms[kinds.index(RandomErasing)]
+    assert (erasing.probability, erasing.mode, erasing.max_count) == (0.25, 'pixel', 2)
+    crop = transforms[0]
+    assert crop.scale == (0.5, 1.0) and crop.ratio == (0.8, 1.25)
+    assert any(getattr(t, 'p', None) == 0.5 and 'Vertical' in type(t).__name__ for t in transforms)
+    metrics = trainer.fit().metrics
+    assert torch.isfinite(torch.tensor(metrics['train_loss']))
+
+
+@pytest.mark.parametrize('bce', [False, True])
+def test_mixup_cutmix_mix_targets_into_the_soft_target_loss(tmp_path, bce):
+    cfg = recipe(tmp_path, mixup=0.2, cutmix=1.0, mixup_switch_prob=0.5, smoothing=0.1, bce_loss=bce,
+                 bce_target_thresh=0.2 if bce else None)
+    trainer = Trainer(cfg)
+    loss = trainer.train_loss_fn
+    assert isinstance(loss, BinaryCrossEntropy if bce else SoftTargetCrossEntropy)
+    if bce:
+        assert loss.target_threshold == 0.2
+    seen = []
+
+    def recording(output, target):
+        seen.append(target.detach().clone())
+        return loss(output, target)
+    trainer.train_loss_fn = recording
+    trainer.fit()
+    assert len(seen) == 2 and all(t.shape == (16, 10) for t in seen)
+    for target in seen:
+        torch.testing.assert_close(target.sum(1), torch.ones(16))
+        assert (target.max(1).values < 0.9).any(), 'some rows mix two classes (smoothing alone keeps 0.91)'
+
+
+def test_optimizer_and_scheduler_follow_timm_kwargs(tmp_path):
+    """opt / eps / betas / opt-kwargs reach the optimizer; lr-base scaling and a step schedule decay per epoch."""
+    cfg = recipe(tmp_path, opt='adamw', opt_eps=1e-6, opt_betas=(0.8, 0.95), opt_kwargs=dict(amsgrad=True),
+                 weight_decay=0.01, lr=None, lr_base=0.01, lr_base_size=64, lr_base_scale='linear',
+                 sched='step', decay_epochs=1, decay_rate=0.5, warmup_epochs=0, sched_on_updates=False, epochs=2)
+    trainer = Trainer(cfg)
+    group = trainer.optimizer.param_groups[0]
+    assert type(trainer.optimizer).__name__ == 'AdamW'
+    assert (group['eps'], group['betas'], group['amsgrad']) == (1e-6, (0.8, 0.95), True)
+    assert trainer.lr == pytest.approx(0.01 * 16 / 64)
+    history = trainer.fit().history
+    assert [h['lr'] for h in history] == pytest.approx([0.0025, 0.00125])
+    assert TrainConfig(lr_base=0.1, batch_size=64, opt='lamb').resolve_lr() == pytest.approx(0.1 * 0.5)  # sqrt
+
+
+@pytest.mark.parametrize('sched', ['step', 'none'])
+def test_layer_decay_gives_per_layer_lr_scales(tmp_path, sched):
+    """The stem learns slowest, the head at the full rate; the scales apply with a schedule and without."""
+    trainer = Trainer(recipe(tmp_path, layer_decay=0.5, sched=sched, train_subset=16))
+    groups = trainer.optimizer.param_groups
+    scales = {g['lr_scale'] for g in groups}
+    assert len(scales) > 2 and max(scales) == 1.0 and min(scales) < 0.1
+    trainer.fit()
+    lr = groups[[g['lr_scale'] for g in groups].index(1.0)]['lr']
+    assert lr == pytest.approx(trainer.lr)
+    for g in groups:
+        assert g['lr'] == pytest.approx(lr * g['lr_scale'])
+
+
+def test_channels_last(tmp_path):
+    trainer = Trainer(recipe(tmp_path, channels_last=True))
+    assert trainer.model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    trainer.fit()
+    assert trainer.model.layer1[0].conv1.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_torchcompile_trains_and_checkpoints_uncompiled_names(tmp_path):
+    trainer = Trainer(recipe(tmp_path, torchcompile='aot_eager'))
+    assert trainer.train_model is not trainer.model
+    result = trainer.fit()
+    assert torch.isfinite(torch.tensor(result.metrics['train_loss']))
+    names = set(load_file(os.path.join(tmp_path, 'checkpoints', 'epoch-0000', 'model.safetensors')))
+    assert names == set(trainer.model.state_dict()) and not any('_orig_mod' in n for n in names)
+
+
+def test_grad_checkpointing_trains_the_same_weights(tmp_path):
+    plain = Trainer(recipe(tmp_path / 'plain')).fit()
+    trainer = Trainer(recipe(tmp_path / 'ckpt', grad_checkpointing=True))
+    assert trainer.model.grad_checkpointing
+    checkpointed = trainer.fit()
+    for key, value in plain.model.state_dict().items():
+        torch.testing.assert_close(checkpointed.model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_config_yaml_of_train_py(tmp_path):
+    """An args.yaml as timm's train.py writes it: its recipe is taken, its machine settings are not."""
+    args = dict(model='resnet18', opt='lamb', lr=None, lr_base=0.002, weight_decay=0.02, sched='cosine',
+                aa='rand-m7-mstd0.5-inc1', reprob=0.0, mixup=0.1, cutmix=1.0, smoothing=0.0, bce_loss=True,
+                scale=[0.08, 1.0], ratio=[0.75, 1.3333333333333333], crop_pct=0.95, drop_path=0.05, epochs=1,
+                warmup_epochs=0, batch_size=16, initial_checkpoint='', resume='', device='cuda',
+                data_dir='/data/imagenet', workers=8, output='/somewhere', log_wandb=False, aug_splits=0,
+                model_kwargs=dict(NARROW), some_future_flag=3)
+    file = tmp_path / 'args.yaml'
+    file.write_text(yaml.safe_dump(args))
+    settings = load_timm_args(str(file))
+    assert settings['opt'] == 'lamb' and settings['lr_base'] == 0.002 and settings['lr'] is None
+    assert settings['scale'] == (0.08, 1.0) and settings['initial_checkpoint'] is None
+    assert not {'device', 'data_dir', 'workers', 'output', 'log_wandb', 'some_future_flag'} & set(settings)
+    cfg = TrainConfig(**{**settings, 'output': str(tmp_path / 'run'), 'train_subset': 32, 'val_subset': 16,
+                         'workers': 0, 'num_classes': 10, 'norm_layer': 'patchnorm', 'progress': False})
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.train_loss_fn, BinaryCrossEntropy) and trainer.mixup_fn is not None
+    assert type(trainer.optimizer).__name__ == 'Lamb'
+    assert trainer.lr == pytest.approx(0.002 * (16 / 256) ** 0.5)
+    assert trainer.model.layer2[0].drop_path.drop_prob == pytest.approx(0.05 * 2 / 7)  # block 2 of 0..7
+    assert any(isinstance(t, RandAugment) for t in _transforms(trainer))
+    trainer.fit()
+    file.write_text(yaml.safe_dump(dict(args, jsd_loss=True, aug_splits=3)))
+    with pytest.raises(ConfigError, match='aug_splits=3.*jsd_loss=True'):
+        load_timm_args(str(file))
+
+
+def test_resume_with_mixup_and_randaugment_is_bit_exact(tmp_path):
+    settings = dict(epochs=2, train_subset=48, aa='rand-m9-mstd0.5', reprob=0.25, mixup=0.2, cutmix=1.0,
+                    drop_path=0.1, layer_decay=0.75, sched_on_updates=True, warmup_epochs=1)
+    full = Trainer(recipe(tmp_path / 'full', **settings)).fit()
+    interrupted = Trainer(recipe(tmp_path / 'cut', **settings))
+    _interrupt_at_update(interrupted, 4)  # 3 updates per epoch: in the middle of epoch 1
+    with pytest.raises(TrainingInterrupted):
+        interrupted.fit()
+    resumed = Trainer(recipe(tmp_path / 'cut', resume=str(tmp_path / 'cut'), **settings))
+    assert (resumed.epoch, resumed.update_in_epoch) == (1, 1)
+    result = resumed.fit()
+    assert full.history[-1]['train_loss'] == result.history[-1]['train_loss']
+    assert full.history[-1]['val_loss'] == result.history[-1]['val_loss']
+    final_a, final_b = load_file(full.weights_file), load_file(result.weights_file)
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+# ---- datasets of every timm scheme, made here from Fashion-MNIST images
+
+def _fashion_samples(count: int, offset: int = 0):
+    from timm_affinediv.data import FashionMNIST
+    test = FashionMNIST(split='test')
+    return [(test[i][0], int(test.targets[i])) for i in range(offset, offset + count)]
+
+
+@pytest.fixture(scope='module')
+def wds_dir(tmp_path_factory):
+    """WebDataset shards (`.png` + `.cls`) with timm's `_info.json`: train 2 shards of 16, validation 1 of 16."""
+    import io
+    import json
+    import tarfile
+    root = tmp_path_factory.mktemp('wds')
+    info, offset = dict(name='fmnist', splits={}), 0
+    for split, shards in (('train', 2), ('validation', 1)):
+        names = [f'{split}-{s:04d}.tar' for s in range(shards)]
+        for name in names:
+            with tarfile.open(root / name, 'w') as tar:
+                for i, (img, label) in enumerate(_fashion_samples(16, offset), start=offset):
+                    png = io.BytesIO()
+                    img.save(png, format='PNG')
+                    for ext, data in (('png', png.getvalue()), ('cls', str(label).encode())):
+                        member = tarfile.TarInfo(f'{i:06d}.{ext}')
+                        member.size = len(data)
+                        tar.addfile(member, io.BytesIO(data))
+            offset += 16
+        info['splits'][split] = dict(name=split, num_samples=16 * shards, filenames=names, shard_lengths=[16] * shards)
+    (root / '_info.json').write_text(json.dumps(info))
+    return root
+
+
+def test_webdataset_stream_trains_and_resumes_at_the_epoch_boundary(wds_dir, tmp_path, caplog):
+    settings = dict(dataset='wds/fmnist', data_dir=str(wds_dir), train_subset=None, val_subset=None, epochs=2,
+                    in_chans=1, img_size=32, batch_size=16, log_interval=1)
+    trainer = Trainer(recipe(tmp_path, **settings))
+    assert trainer.stream and not isinstance(trainer.train_loader.sampler, DistributedSampler)
+    assert len(trainer.train_loader) == 2
+    _interrupt_at_update(trainer, 3)  # 2 updates per epoch: in epoch 1
+    with pytest.raises(TrainingInterrupted) as info:
+        trainer.fit()
+    assert os.path.basename(info.value.checkpoint) == 'epoch-0000'  # no checkpoint inside a stream's epoch
+    with caplog.at_level('INFO'):
+        resumed = Trainer(recipe(tmp_path, resume=str(tmp_path), **settings))
+    assert (resumed.epoch, resumed.update_in_epoch, resumed.num_updates) == (1, 0, 2)
+    assert 'epoch 1 starts from its beginning' in caplog.text
+    history = resumed.fit().history
+    assert [h['epoch'] for h in history] == [0, 1]
+    assert history[0] == trainer.history[0]
+    with pytest.raises(DataError, match='train-num-samples'):
+        Trainer(recipe(tmp_path / 'x', **dict(settings, train_subset=32)))
+
+
+def test_huggingface_datasets_map_style_and_streamed(tmp_path, monkeypatch):
+    """`hfds/` (map-style: subsets, exact resume) and `hfids/` (streamed, its length from a flag) from a local
+    parquet folder written with `datasets`."""
+    datasets = pytest.importorskip('datasets')
+    monkeypatch.setenv('HF_DATASETS_OFFLINE', '1')
+    from timm_affinediv.data import FASHION_MNIST_CLASSES
+    features = datasets.Features({'image': datasets.Image(), 'label': datasets.ClassLabel(
+        names=list(FASHION_MNIST_CLASSES))})
+    folder = tmp_path / 'fmnist'
+    for split, count, offset in (('train', 64, 0), ('validation', 32, 64)):
+        images, labels = zip(*_fashion_samples(count, offset))
+        datasets.Dataset.from_dict(dict(image=list(images), label=list(labels)), features=features).to_parquet(
+            str(folder / 'data' / f'{split}-00000-of-00001.parquet'))
+    common = dict(data_dir=str(tmp_path / 'cache'), num_classes=10, in_chans=1, img_size=32)
+    trainer = Trainer(recipe(tmp_path / 'map', dataset=f'hfds/{folder}', train_subset=48, batch_size=16, **common))
+    assert not trainer.stream and trainer.num_classes == 10 and len(trainer.train_loader) == 3
+    assert trainer.fit().metrics['val_top5'] > 0
+    streamed = Trainer(recipe(tmp_path / 'stream', dataset=f'hfids/{folder}', train_subset=None,
+                              train_num_samples=32, val_num_samples=32, val_subset=None, **common))
+    assert streamed.stream and len(streamed.train_loader) == 2
+    assert [h['epoch'] for h in streamed.fit().history] == [0]
+
+
+def test_torchvision_dataset_and_missing_extras(tmp_path, monkeypatch):
+    """`torch/fashion_mnist` from torchvision's raw files (no download); a scheme whose package is missing names
+    the extra to install."""
+    import gzip
+    raw = tmp_path / 'FashionMNIST' / 'raw'
+    raw.mkdir(parents=True)
+    for name in ('train-images-idx3-ubyte', 'train-labels-idx1-ubyte', 't10k-images-idx3-ubyte',
+                 't10k-labels-idx1-ubyte'):
+        with gzip.open(os.path.join(FASHION_MNIST_DIR, name + '.gz')) as f:
+            header = 16 if 'images' in name else 8
+            data = f.read(header + 64 * (784 if 'images' in name else 1))
+        count_at = 4
+        (raw / name).write_bytes(data[:count_at] + (64).to_bytes(4, 'big') + data[count_at + 4:])
+    trainer = Trainer(recipe(tmp_path / 'run', dataset='torch/fashion_mnist', data_dir=str(tmp_path),
+                             train_subset=None, val_subset=None, num_classes=10, in_chans=3, img_size=32))
+    assert trainer.num_classes == 10 and trainer.data_config['input_size'] == (3, 32, 32)
+    x, _ = next(iter(trainer.train_loader))
+    assert x.shape == (16, 3, 32, 32)  # the 'L' images converted for a 3-channel model
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec',
+                        lambda name, *a: None if name == 'webdataset' else real_find_spec(name, *a))
+    with pytest.raises(DataError, match=r'timm-affinediv\[wds\]'):
+        Trainer(recipe(tmp_path / 'w', dataset='wds/x', data_dir=str(tmp_path)))
+
+
+def test_cli_config_file_gives_defaults_that_flags_override(tmp_path):
+    """`finetune --config args.yaml` as train.py reads it: the file's recipe, then the command line over it."""
+    from timm_affinediv.commands.finetune import build_parser
+    from timm_affinediv.commands.recipe_args import parse_with_config
+    file = tmp_path / 'args.yaml'
+    file.write_text(yaml.safe_dump(dict(opt='lamb', lr_base=0.004, aa='rand-m9-mstd0.5', mixup=0.8, cutmix=1.0,
+                                        opt_betas=[0.9, 0.99], layer_decay=0.65, device='cuda', output='/x')))
+    args, given = parse_with_config(build_parser(), ['--config', str(file), '--mixup', '0.2', '--output', 'here'])
+    assert (args.opt, args.lr_base, args.aa, args.cutmix, args.layer_decay) == ('lamb', 0.004, 'rand-m9-mstd0.5',
+                                                                               1.0, 0.65)
+    assert args.mixup == 0.2 and args.output == 'here' and args.device is None and args.opt_betas == (0.9, 0.99)
+    assert 'device' not in given and 'opt' in given
+    help_text = ' '.join(build_parser().format_help().split())
+    assert 'last epoch boundary' in help_text and '--layer-decay' in help_text and '--bce-loss' in help_text
+
+
+def test_batchnorm_initial_checkpoint_for_patchnorm_is_refused(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+    file = tmp_path / 'bn.safetensors'
+    save_file(timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW).state_dict(), str(file))
+    with pytest.raises(ConfigError, match=r"BatchNorm model's.*timm-affinediv convert"):
+        Trainer(recipe(tmp_path / 'run', initial_checkpoint=str(file)))
