@@ -132,7 +132,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 def parse_with_config(p: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> Tuple[argparse.Namespace, List]:
     """Parse `argv`, with the settings of `--config FILE` (a train.py `args.yaml`) as the defaults, as train.py
     does; returns the arguments and the names of the settings the file gave."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument('-c', '--config', default='')
     known, _ = pre.parse_known_args(argv)
     settings = load_timm_args(known.config) if known.config else {}
