@@ -18,7 +18,7 @@ import timm_affinediv  # noqa: F401  (registers patchnorm)
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
 
-MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm'}
+MODELS = {'resnet50': 'batchnorm', 'convnext_tiny': 'layernorm', 'vit_small_patch16_224': 'layernorm'}
 MODES = ('train', 'inference')
 
 

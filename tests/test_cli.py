@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import timm
-import torch
+import torch.nn as nn
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv import PatchNorm2d, bind_patchnorm
 from timm_affinediv.cli import ArgumentParser, add_data_args
 from timm_affinediv.commands import main
 from timm_affinediv.layers.binding import SlotLayoutError
@@ -163,11 +164,19 @@ def test_scripts_answer_bad_input_in_one_line_without_traceback(tmp_path):
         assert len(lines) == 1 and 'error' in lines[0] and message in lines[0], (script, lines)
 
 
-def test_patchnorm_in_a_token_model_is_refused_at_create_model():
-    with pytest.raises(SlotLayoutError, match=r"blocks\.0\.norm1 takes tensors of shape \(2, 5, 192\)"):
-        timm.create_model('vit_tiny_patch16_224', norm_layer='patchnorm', img_size=32)
-    model = timm.create_model('vit_tiny_patch16_224', norm_layer='rmsnorm', img_size=32)  # what the message offers
-    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+def test_patchnorm_slot_with_its_channels_elsewhere_is_refused_clearly():
+    """A slot whose input holds its channels neither in dim 1 nor in the last dim cannot be bound or normalise."""
+    class MiddleChannels(nn.Module):
+        pretrained_cfg = dict(input_size=(3, 8, 8))
+
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = nn.Conv2d(3, 5, 1), PatchNorm2d(5)
+
+        def forward(self, x):
+            return self.norm(self.conv(x).permute(0, 2, 1, 3))  # (N, H, C, W)
+    with pytest.raises(SlotLayoutError, match=r"shape \(2, 8, 5, 8\), with its 5 channels neither in dim 1"):
+        bind_patchnorm(MiddleChannels())
 
 
 def test_convert_to_folder_refuses_negative_sizes(tmp_path):

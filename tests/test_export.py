@@ -24,6 +24,11 @@ MODELS = {
     'convnext-conv_mlp-patchnorm': ('convnext_atto', dict(norm_layer='patchnorm', conv_mlp=True, **NARROW_CONVNEXT)),
     'resnet18-affinediv': ('resnet18', dict(norm_layer='affinediv', **NARROW_RESNET)),
     'convnext-conv_mlp-affinediv': ('convnext_atto', dict(norm_layer='affinediv', conv_mlp=True, **NARROW_CONVNEXT)),
+    # token models: slots over the last dim bound to qkv, fc1 and the head; Swin's through pads, rolls and windows
+    'vit-patchnorm': ('vit_tiny_patch16_224', dict(norm_layer='patchnorm', img_size=32, patch_size=8, embed_dim=32,
+                                                   depth=2, num_heads=2)),
+    'swin-patchnorm': ('swin_tiny_patch4_window7_224', dict(norm_layer='patchnorm', img_size=32, window_size=4,
+                                                            embed_dim=16, depths=(2, 1), num_heads=(1, 2))),
 }
 INPUT_SIZE = (3, 32, 32)
 TOLERANCE = 1e-5

@@ -216,3 +216,112 @@ def test_slots_refuse_wrong_shapes():
         PatchNorm2d(8)(torch.randn(2, 4, 3, 3))
     with pytest.raises(ValueError, match='8 channels in dim -1'):
         PatchNorm(8)(torch.randn(2, 3, 3, 4))
+
+
+# narrow token and channels-last models at small inputs: what their slots bind to is the family's block structure
+TOKEN_MODELS = {
+    'vit': ('vit_tiny_patch16_224', dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)),
+    'vit_avg': ('vit_tiny_patch16_224', dict(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                                             global_pool='avg', class_token=False, fc_norm=True)),
+    # 16 tokens of 16 channels: the layout comes from the data flow (the patch embedding's Linear-like output)
+    'vit_l_eq_c': ('vit_tiny_patch16_224', dict(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2,
+                                                global_pool='avg', class_token=False)),
+    'eva02': ('eva02_tiny_patch14_224', dict(img_size=28, embed_dim=32, depth=2, num_heads=2)),
+    'swin': ('swin_tiny_patch4_window7_224', dict(img_size=32, window_size=4, embed_dim=16, depths=(2, 1),
+                                                  num_heads=(1, 2))),
+    'swinv2': ('swinv2_tiny_window8_256', dict(img_size=32, window_size=4, embed_dim=16, depths=(2, 1),
+                                               num_heads=(1, 2))),
+    'mambaout': ('mambaout_femto', dict(depths=(1, 1, 1, 1), dims=(8, 16, 24, 32))),
+    'pvt_v2': ('pvt_v2_b0', dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))),
+}
+
+
+def _update_factors_are_constant(model: nn.Module, x: torch.Tensor) -> None:
+    """Every bound layer's update factor, measured at its own output (a producer's includes the slot's fused affine,
+    so its factor is `c` times the slot's gain squared), is its constant for two samples and positions."""
+    slots = describe_slots(model)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for b in slots:
+            modules[b.slot].weight.uniform_(0.5, 1.5)
+    layers = [p for b in slots for p in filter(None, (b.producer, *b.consumers))]
+    inputs, _ = _capture(model, layers, x)
+    for b in slots:
+        for path in filter(None, (b.producer, *b.consumers)):
+            layer, layer_in = modules[path], inputs[path]
+            expected = torch.full((layer.weight.shape[0],), float(layer.divergence_constant), dtype=torch.float64)
+            if path == b.producer:
+                expected = expected * modules[b.slot].weight.detach() ** 2
+            def out_fn(layer=layer, layer_in=layer_in):
+                return layer(layer_in)
+            for index in _indices(out_fn(), 1 if isinstance(layer, nn.Conv2d) else -1):
+                factor = update_factor(out_fn, [layer.weight, layer.bias], index)
+                torch.testing.assert_close(factor, expected, rtol=1e-6, atol=1e-9, msg=f'{b.slot} via {path}')
+
+
+@pytest.mark.parametrize('key', list(TOKEN_MODELS))
+def test_token_and_channels_last_slots_bind_with_exact_factors(key):
+    """The string builds slots over the last dim where the model's tensors hold channels there, every slot binds
+    (attention's qkv through windows, rolls and pads; fc1; the head through pooling), and the factors are exact."""
+    name, kwargs = TOKEN_MODELS[key]
+    torch.manual_seed(0)
+    model = timm.create_model(name, norm_layer='patchnorm', num_classes=5, **kwargs).double()
+    slots = describe_slots(model)
+    assert slots and all(b.bound for b in slots), [b for b in slots if not b.bound]
+    modules = dict(model.named_modules())
+    side = kwargs.get('img_size', 32)
+    x = torch.randn(2, 3, side, side, dtype=torch.float64)
+    if key != 'mambaout':  # a token model: its block norms see (N, L, C) or (N, H, W, C) and bind to Linears
+        assert any(isinstance(modules[b.slot], PatchNorm2d) and modules[b.slot].channel_dim == -1 for b in slots)
+    inputs, outputs = _capture(model, [b.slot for b in slots], x)
+    if key.startswith('vit'):  # every norm over tokens works over their last dim (the pooled fc_norm: (N, C))
+        assert all(modules[b.slot].channel_dim == -1 for b in slots if inputs[b.slot].dim() > 2)
+    for b in slots:  # a slot bound to consumers only applies its affine over the channel axis it found
+        slot = modules[b.slot]
+        if b.producer is None:
+            shape = [-1] + [1] * (inputs[b.slot].dim() - 2) if slot.channel_dim == 1 else [-1]
+            torch.testing.assert_close(outputs[b.slot], inputs[b.slot] * slot.weight.view(shape) +
+                                       slot.bias.view(shape))
+    _update_factors_are_constant(model, x)
+    model.float().train()
+    out = model(x.float())
+    out.square().mean().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters()
+                                             if p.grad is not None)
+
+
+def test_mixer_token_mixing_norms_stay_standalone_with_their_reason():
+    """Mixer's norms before token mixing feed a Linear across tokens, not across their channels: standalone."""
+    from timm.models.mlp_mixer import MlpMixer
+    model = MlpMixer(num_blocks=2, embed_dim=16, img_size=64, patch_size=16, norm_layer=PatchNorm2d)
+    (binding, *_) = bind_patchnorm(model)  # built outside create_model, so the model's input size is timm's default
+    assert 'fake-tensor forward stopped at input size (3, 224, 224)' in binding.note
+    model.pretrained_cfg = dict(input_size=(3, 64, 64))
+    bind_patchnorm(model)
+    slots = {b.slot: b for b in describe_slots(model)}
+    for name, b in slots.items():
+        if name.endswith('norm1'):
+            assert not b.bound and 'mlp_tokens.fc1 (Linear over an axis other than its channels)' in b.note, b
+        else:
+            assert b.bound, b
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 1000)
+
+
+def test_tensors_a_module_caches_in_the_shape_pass_are_not_left_fake():
+    """The binding's forward on fake tensors must not leave a fake tensor where a module caches one (ConViT)."""
+    class Caching(nn.Module):
+        pretrained_cfg = dict(input_size=(3, 8, 8))
+
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm, self.positions = nn.Conv2d(3, 4, 3, padding=1), PatchNorm2d(4), None
+
+        def forward(self, x):
+            if self.positions is None or self.positions.shape[-1] != x.shape[-1]:
+                self.positions = torch.arange(x.shape[-1], dtype=x.dtype)
+            return self.norm(self.conv(x)) + self.positions
+
+    model = Caching()
+    bind_patchnorm(model)
+    assert model.positions is None
+    assert model(torch.randn(1, 3, 8, 8)).shape == (1, 4, 8, 8)

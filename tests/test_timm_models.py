@@ -25,6 +25,8 @@ SCRIPTING_CHECKS = ['test_model_forward_torchscript', 'test_model_forward_fx_tor
 CASES = [(model, norm, check) for model, norm, checks in [
     ('resnet18', 'patchnorm', CHECKS), ('convnext_atto', 'patchnorm', CHECKS),
     ('resnet50d', 'patchnorm', SCRIPTING_CHECKS), ('resnet18', 'affinediv', SCRIPTING_CHECKS),
+    # token and channels-last families: slots over the last dim, bound to Linears
+    ('test_vit', 'patchnorm', CHECKS), ('test_mambaout', 'patchnorm', CHECKS),
 ] for check in checks]
 
 
@@ -69,4 +71,5 @@ def test_timm_model_check(model_name, norm_layer, check, monkeypatch):
     # the check ran on a bound patchnorm/affinediv build, not on the plain model
     assert built and all(
         any(isinstance(m, PatchNormSlot) and m.bound for m in model.modules()) for model in built)
-    assert any(isinstance(m, timm_affinediv.PatchNormConv2d) for m in built[0].modules())
+    corrected = (timm_affinediv.PatchNormConv2d, timm_affinediv.AffineDivLinear)
+    assert any(isinstance(m, corrected) for m in built[0].modules())

@@ -13,6 +13,7 @@ import timm
 import timm.layers.create_norm as _create_norm
 import timm.layers.create_norm_act as _create_norm_act
 import timm.models._builder as _builder
+import timm.models._factory as _factory
 import timm.models.convnext as _convnext
 from packaging.version import Version
 from timm.layers.norm_act import _create_act
@@ -23,7 +24,7 @@ from .errors import TimmVersionError
 __all__ = [
     'TESTED_TIMM', 'check_timm_version', 'get_model_args', 'get_model_input_config', 'create_act', 'NORM_MAP',
     'NORM_TYPES', 'NORM_ACT_MAP', 'NORM_ACT_TYPES', 'NORM_ACT_REQUIRES_ARG', 'NORM_TO_NORM_ACT_MAP',
-    'CONVNEXT_NORM_MAP', 'wrap_init_model_traits']
+    'CONVNEXT_NORM_MAP', 'wrap_init_model_traits', 'wrap_model_entrypoint']
 
 #: The timm releases this package is tested with (also `dependencies` in pyproject.toml): >= first, < second.
 TESTED_TIMM = ('1.0.31', '1.1')
@@ -70,3 +71,10 @@ def wrap_init_model_traits(wrap: Callable[[Callable], Callable], marker: str) ->
                                f'timm_affinediv binds patchnorm slots: install timm>={low},<{high}')
     if not getattr(step, marker, False):
         _builder._init_model_traits = wrap(step)
+
+
+def wrap_model_entrypoint(wrap: Callable[[Callable], Callable], marker: str) -> None:
+    """Replace the lookup `timm.create_model` gets a model's entrypoint with (`_factory.model_entrypoint`) by
+    `wrap(lookup)`, once: a lookup carrying the attribute `marker` is already wrapped."""
+    if not getattr(_factory.model_entrypoint, marker, False):
+        _factory.model_entrypoint = wrap(_factory.model_entrypoint)

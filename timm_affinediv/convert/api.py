@@ -1,4 +1,5 @@
 """ The conversion's entry point: `convert_model`, its options and its report (see the package docstring) """
+import copy
 import logging
 import math
 import time
@@ -7,6 +8,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from timm.layers import BatchNormAct2d
 
 from ..device import resolve_device
 from ..errors import ConversionError
@@ -190,6 +192,40 @@ def convert_model(
     return converted, report
 
 
+class _NormThenAct(nn.Module):
+    """A BatchNormAct2d as its BatchNorm (a module of its own, so a fit can target its output) then dropout and
+    activation: the same function, sharing the parameters and statistics."""
+
+    def __init__(self, norm_act: BatchNormAct2d):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(norm_act.num_features, eps=norm_act.eps, momentum=norm_act.momentum,
+                                   affine=norm_act.affine, track_running_stats=norm_act.track_running_stats)
+        self.norm.weight, self.norm.bias = norm_act.weight, norm_act.bias
+        self.norm.running_mean, self.norm.running_var = norm_act.running_mean, norm_act.running_var
+        self.norm.train(norm_act.training)
+        self.drop, self.act = norm_act.drop, norm_act.act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(self.norm(x)))
+
+
+def _pre_activation_targets(model: nn.Module, targets: dict) -> nn.Module:
+    """ `model`, with each norm-act layer that a fit targets split so the target is its norm's output, before the
+    activation: a bound slot's producer applies the slot's affine, and the slot its activation after it (in
+    EfficientNet, MobileNetV3, RegNet, DenseNet). Returns a copy where any is split (and updates `targets`)."""
+    split = [path for path in set(targets.values()) if isinstance(model.get_submodule(path), BatchNormAct2d)]
+    if not split:
+        return model
+    model = copy.deepcopy(model)
+    for path in split:
+        parent, _, name = path.rpartition('.')
+        setattr(model.get_submodule(parent), name, _NormThenAct(model.get_submodule(path)))
+    for layer, path in targets.items():
+        if path in split:
+            targets[layer] = f'{path}.norm'
+    return model
+
+
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
                options: CalibrationOptions) -> None:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
@@ -205,6 +241,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
     slot_paths = {id(s): n for n, s in converted.named_modules()}
     layers = [(n, m) for n, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
+    model = _pre_activation_targets(model, targets)
     with torch.no_grad():
         analytic = [converted(x) for x in batches[:options.analytic_batches]]
         walk = GraphWalk(trace(converted), batches, cache)

@@ -165,8 +165,8 @@ class GraphWalk:
         self.position = stop
 
     def _run(self, n: fx.Node, x: torch.Tensor, args: Tuple, kwargs: Dict, batch: int) -> Any:
-        if n.op == 'placeholder':
-            return x
+        if n.op == 'placeholder':  # the images; forward's other arguments (ViT's attn_mask) take their defaults
+            return x if self.index[n] == 0 else (n.args[0] if n.args else None)
         if n.op == 'get_attr':
             return functools.reduce(getattr, n.target.split('.'), self.traced)
         if n.op == 'call_module':

@@ -19,20 +19,22 @@ slots keep only their affine: the paper's network without a normaliser. Binding 
 can be repeated after changing a model (e.g. `reset_classifier`). `timm.create_model` binds
 automatically once `timm_affinediv` is imported.
 """
+import functools
 import logging
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from timm.layers import get_notrace_functions, get_notrace_modules
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .._timm_compat import get_model_input_config
 from ..errors import SlotLayoutError
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .kernels import kernel_path
+from .layout import channel_axis_after, is_metadata_use, value_shape
 from .norm import L2NormLinear
 from .slot import PatchNormSlot, SlotBinding
 
@@ -42,9 +44,6 @@ __all__ = ['bind_patchnorm', 'describe_kernel_paths', 'describe_slots', 'diverge
 _logger = logging.getLogger(__name__)
 
 _AFFINE_TYPES = (nn.Conv2d, nn.Linear)
-_LAYOUT_MODULES = (nn.Identity, nn.Dropout, nn.Flatten)
-_LAYOUT_METHODS = {'permute', 'reshape', 'view', 'flatten', 'contiguous'}
-_LAYOUT_FUNCTIONS = {'permute', 'reshape', 'flatten', 'dropout'}
 
 
 class _BindingTracer(fx.Tracer):
@@ -74,16 +73,6 @@ def divergence_corrected(module: nn.Module, scale: str = 'rms', add_bias: bool =
                     "only nn.Conv2d and nn.Linear (exact types) can be converted")
 
 
-def _is_layout_op(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
-    if node.op == 'call_module':
-        return type(modules[node.target]) in _LAYOUT_MODULES
-    if node.op == 'call_method':
-        return node.target in _LAYOUT_METHODS
-    if node.op == 'call_function':
-        return getattr(node.target, '__name__', '') in _LAYOUT_FUNCTIONS
-    return False
-
-
 def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> bool:
     if node.op != 'call_module' or calls[node.target] != 1:
         return False
@@ -91,84 +80,179 @@ def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: 
     return type(module) in _AFFINE_TYPES or isinstance(module, (PatchNormConv2d, AffineDivLinear))
 
 
-def _find_producer(slot_node: fx.Node, modules, calls) -> Tuple[Optional[str], str]:
-    node = slot_node.args[0]
-    while isinstance(node, fx.Node) and len(node.users) == 1:
-        if _is_replaceable_affine(node, modules, calls):
-            return node.target, ''
-        if not _is_layout_op(node, modules):
-            return None, f'fed by {node.format_node().split("=", 1)[-1].strip()[:60]}'
-        node = node.args[0]
-    if isinstance(node, fx.Node) and len(node.users) > 1:
-        return None, f'its input {node.name} also feeds {len(node.users) - 1} other node(s)'
-    return None, 'no producer'
+def _data_users(node: fx.Node) -> List[fx.Node]:
+    return [user for user in node.users if not is_metadata_use(user)]
 
 
-def _find_consumers(slot_node: fx.Node, modules, calls) -> Tuple[Tuple[str, ...], str]:
-    node = slot_node
-    while len(node.users) == 1:
-        (node,) = node.users
-        if _is_replaceable_affine(node, modules, calls) and node.args[0] is not None:
-            return (node.target,), ''
-        if not _is_layout_op(node, modules):
-            return (), f'feeds {node.name}'
-    return (), f'its output feeds {len(node.users)} nodes' if node.users else 'its output is unused'
+def _acts_on_channels(module: nn.Module, axis: int, ndim: int) -> bool:
+    """A Linear maps the last axis; a convolution dim 1 of (N, C, H, W)."""
+    return axis == 1 and ndim == 4 if isinstance(module, nn.Conv2d) else axis == ndim - 1
+
+
+def _ndim(value: Any) -> int:
+    return value.dim() if isinstance(value, torch.Tensor) else -1
+
+
+class _SlotGraph:
+    """The traced model, its modules and call counts, and every node's output on fake tensors (its shape)."""
+
+    def __init__(self, graph: fx.Graph, modules: Dict[str, nn.Module], values: Dict[fx.Node, Any], stopped: str):
+        self.graph, self.modules, self.values, self.stopped = graph, modules, values, stopped
+        self.calls: Dict[str, int] = {}
+        for node in graph.nodes:
+            if node.op == 'call_module':
+                self.calls[node.target] = self.calls.get(node.target, 0) + 1
+
+    @functools.cached_property
+    def upstream_axes(self) -> Dict[fx.Node, int]:
+        """ For each node, the axis holding the output channels of the last Conv2d/Linear before it: followed
+        through the moves and spreads, and kept by operations that keep the shape (activations, residual sums)."""
+        axes: Dict[fx.Node, int] = {}
+        for node in self.graph.nodes:
+            value = self.values.get(node)
+            if node.op == 'call_module' and isinstance(self.modules[node.target], _AFFINE_TYPES):
+                if isinstance(value, torch.Tensor):
+                    axes[node] = 1 if isinstance(self.modules[node.target], nn.Conv2d) else value.dim() - 1
+                continue
+            source = next((n for n in node.all_input_nodes if n in axes), None)
+            if source is None:
+                continue
+            moved, _ = channel_axis_after(node, source, axes[source], self.values, self.modules, spreads=True)
+            if moved is None and isinstance(value, torch.Tensor) and value_shape(self.values[source]) == value.shape:
+                moved = axes[source]
+            if moved is not None:
+                axes[node] = moved
+        return axes
+
+    def producer(self, slot_node: fx.Node, axis: int) -> Tuple[Optional[str], str]:
+        """ The Conv2d/Linear whose output reaches only this slot, through moves that keep the channel vector
+        whole and land its output channels on the slot's `axis` (so the producer can apply the slot's affine)."""
+        chain, node = [], slot_node.args[0]
+        while isinstance(node, fx.Node):
+            users = _data_users(node)
+            if len(users) > 1:
+                return None, f'its input {node.name} also feeds {len(users) - 1} other node(s)'
+            if _is_replaceable_affine(node, self.modules, self.calls):
+                break
+            if node.op not in ('call_module', 'call_method', 'call_function') or not node.args:
+                return None, 'no producer'
+            chain.append(node)
+            node = node.args[0]
+        else:
+            return None, 'no producer'
+        conv = isinstance(self.modules[node.target], nn.Conv2d)
+        source, moved = node, 1 if conv else _ndim(self.values.get(node)) - 1
+        for step in reversed(chain):
+            moved, why = channel_axis_after(step, source, moved, self.values, self.modules, spreads=False)
+            if moved is None:
+                return None, f'fed by {node.target} through {step.name} ({why})'
+            source = step
+        if moved != axis:
+            return None, f'fed by {node.target}, whose output channels reach its axis {moved}, not {axis}'
+        return node.target, ''
+
+    def consumers(self, slot_node: fx.Node, axis: int) -> Tuple[Tuple[str, ...], str]:
+        """ The Conv2d/Linear maps every use of the slot's output reaches, each acting on the slot's channel
+        vectors, through the operations that move, select or pad them; none where any use ends elsewhere."""
+        found: List[str] = []
+        seen = {slot_node: axis}
+        frontier = [(slot_node, axis)]
+        while frontier:
+            node, node_axis = frontier.pop()
+            for user in _data_users(node):
+                if _is_replaceable_affine(user, self.modules, self.calls) and user.args[0] is node:
+                    module = self.modules[user.target]
+                    if not _acts_on_channels(module, node_axis, _ndim(self.values.get(node))):
+                        return (), f'feeds {user.target} ({type(module).__name__} over an axis other than its channels)'
+                    found.append(user.target)
+                    continue
+                moved, why = channel_axis_after(user, node, node_axis, self.values, self.modules, spreads=True)
+                if moved is None:
+                    return (), f'feeds {user.name} ({why})'
+                if user not in seen:
+                    seen[user] = moved
+                    frontier.append((user, moved))
+                elif seen[user] != moved:
+                    return (), f'reaches {user.name} with its channels on two axes'
+        if not found:
+            return (), 'its output is unused'
+        return tuple(dict.fromkeys(found)), ''
+
+
+class _ShapeInterpreter(fx.Interpreter):
+    """Runs a traced model keeping every node's output; the slots pass their input through (their layout is
+    what is being found out, so none may refuse it)."""
+
+    def __init__(self, module: fx.GraphModule, slots: Dict[str, PatchNormSlot]):
+        super().__init__(module, garbage_collect_values=False)
+        self.slots = slots
+
+    def call_module(self, target, args, kwargs):
+        if target in self.slots:
+            return args[0]
+        return super().call_module(target, args, kwargs)
+
+
+@contextmanager
+def _keeping_module_state(model: nn.Module) -> Iterator[None]:
+    """ Restores any attribute or buffer a module cached as a fake tensor or an `fx.Proxy` while the model was
+    traced or run on fake tensors (ConViT's relative indices, masks built on first use): left there, it would fail
+    the module's next real forward."""
+    cached = {m: (dict(vars(m)), dict(m._buffers)) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m, (attributes, buffers) in cached.items():
+            for table, before in ((vars(m), attributes), (m._buffers, buffers)):
+                for name in [n for n, v in table.items() if isinstance(v, (FakeTensor, fx.Proxy))]:
+                    if name in before:
+                        table[name] = before[name]
+                    else:
+                        del table[name]
 
 
 @contextmanager
 def fake_eval(model: nn.Module) -> Iterator[nn.Module]:
     """`model` in eval mode, computing on fake tensors (shapes only: no arithmetic, nothing stored); the modes of its
-    modules are restored after."""
+    modules, and any tensor they cache in that forward, are restored after."""
     modes = {m: m.training for m in model.modules()}
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with _keeping_module_state(model), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             yield model.eval()
     finally:
         for m, training in modes.items():
             m.training = training
 
 
-def _slot_input_shapes(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> Dict[str, Tuple[int, ...]]:
-    """ The input shape of each slot in a forward of a batch of 2 at the model's input size, on fake tensors (shapes
-    only, no arithmetic, nothing stored). Models that do not run on fake tensors give what was seen before they stop.
+def _traced_values(model: nn.Module, graph: fx.Graph,
+                   slots: Dict[str, PatchNormSlot]) -> Tuple[Dict[fx.Node, Any], str]:
+    """ Every node's output in a forward of a batch of 2 at the model's input size, on fake tensors (shapes only,
+    no arithmetic, nothing stored). A model that does not run on fake tensors gives what was computed before it
+    stopped, and why it stopped; the nodes after it have no shape, and no slot binds through them.
     """
-    shapes: Dict[str, Tuple[int, ...]] = {}
-
-    def record(name):
-        def hook(module, args):
-            shapes.setdefault(name, tuple(args[0].shape))
-        return hook
-
-    handles = [slot.register_forward_pre_hook(record(name)) for name, slot in slots.items()]
+    interpreter = _ShapeInterpreter(fx.GraphModule(model, graph), slots)
+    input_size = get_model_input_config(model)['input_size']
+    stopped = ''
     try:
         with fake_eval(model):
-            model(torch.empty(2, *get_model_input_config(model)['input_size']))
-    except Exception as e:  # a mislaid slot raises here; so may an input size or an op fake tensors do not support
-        _logger.debug(f'shape check of the patchnorm slots stopped: {type(e).__name__}: {e}')
-    finally:
-        for handle in handles:
-            handle.remove()
-    return shapes
+            interpreter.run(torch.empty(2, *input_size))
+    except Exception as e:  # an input size or an op fake tensors do not support
+        stopped = f'at input size {tuple(input_size)}: {type(e).__name__}: {str(e).strip()[:120]}'
+        _logger.debug(f'shape pass of the patchnorm slots stopped {stopped}')
+    return dict(interpreter.env), stopped
 
 
-def _check_slot_layouts(model: nn.Module, slots: Dict[str, PatchNormSlot]) -> None:
-    """Raise `SlotLayoutError` if a slot's input does not hold its channels in its channel dim (ViT's (N, L, C)
-    tokens in a (N, C, H, W) slot): such a model would build, then fail or normalise the wrong axis."""
-    for name, shape in _slot_input_shapes(model, slots).items():
-        slot = slots[name]
-        if len(shape) < 2 or shape[slot.channel_dim] != slot.num_features:
-            raise SlotLayoutError(
-                f"norm_layer='patchnorm' does not fit {type(model).__name__}: its norm {name} takes tensors of shape "
-                f"{shape}, whose dim {slot.channel_dim} is not its {slot.num_features} channels ({type(slot).__name__} "
-                f"binds to convolutions over (N, C, H, W) maps). Use patchnorm in convolutional models (ResNet, "
-                "ConvNeXt, ...); for token models (ViT) use a normaliser over the last dim, e.g. norm_layer='rmsnorm'.")
-
-
-def _needs_layout_check(binding: SlotBinding, modules: Dict[str, nn.Module]) -> bool:
-    """A slot bound only to convolutions sees their (N, C, H, W) output or input; any other might not."""
-    neighbours = [binding.producer] if binding.producer else []
-    neighbours += binding.consumers
-    return not neighbours or not all(isinstance(modules[path], nn.Conv2d) for path in neighbours)
+def _channel_axes(name: str, slot: PatchNormSlot, shape: Optional[Tuple[int, ...]], model: nn.Module) -> List[int]:
+    """The axes of the slot's input that can hold its channels: dim 1, the last dim, or (shape unknown) its own."""
+    if shape is None:
+        return []
+    axes = [a for a in dict.fromkeys((1, len(shape) - 1)) if len(shape) >= 2 and shape[a] == slot.num_features]
+    if not axes:
+        raise SlotLayoutError(
+            f"norm_layer='patchnorm' does not fit {type(model).__name__}: its norm {name} takes tensors of shape "
+            f"{shape}, with its {slot.num_features} channels neither in dim 1 nor in the last dim. A patchnorm "
+            "slot normalises (N, C, ...) maps or (..., C) tokens; use another norm_layer for this model.")
+    return axes
 
 
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -176,51 +260,75 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_path), name, new)
 
 
+def _separate_qkv_biases(model: nn.Module) -> None:
+    """ EVA-style attention adds its q/v biases after a module call, not through `F.linear` on the qkv weight,
+    so the traced data flow reaches `attn.qkv` as a module the slot can bind to (same function)."""
+    for module in model.modules():
+        if getattr(module, 'qkv_bias_separate', None) is False and isinstance(getattr(module, 'qkv', None), nn.Linear):
+            module.qkv_bias_separate = True
+
+
+def _bind_slot(name: str, node: fx.Node, slot: PatchNormSlot, flow: _SlotGraph, model: nn.Module) -> SlotBinding:
+    """ The slot's binding, and its channel dim set to where its input holds the channels.
+
+    Where both dim 1 and the last dim have the slot's size (L == C tokens), the data flow decides: the axis that
+    holds the channels of the last affine map before the slot, else the layout in which it binds to more maps.
+    """
+    if flow.calls[name] != 1:
+        return SlotBinding(name, note=f'called {flow.calls[name]} times in forward')
+    shape = value_shape(flow.values.get(node.args[0]))
+    axes = _channel_axes(name, slot, shape, model)
+    if not axes:
+        return SlotBinding(name, note=f'its input has no shape: the fake-tensor forward stopped {flow.stopped}')
+    options = []
+    for axis in axes:
+        producer, producer_note = flow.producer(node, axis)
+        consumers, consumer_note = flow.consumers(node, axis)
+        note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
+        upstream = len(axes) > 1 and flow.upstream_axes.get(node.args[0]) == axis
+        rank = (upstream, (producer is not None) + len(consumers), axis == slot.channel_dim % len(shape))
+        options.append((rank, axis, SlotBinding(name, producer, consumers, note)))
+    _, axis, binding = max(options, key=lambda option: option[0])
+    if len(shape) > 2:
+        slot.channel_dim = 1 if axis == 1 else -1
+    return binding
+
+
 def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     """ Bind every `patchnorm` slot of `model` to its neighbours (in place) and return the bindings.
 
     A no-op for models without slots. Raises `RuntimeError` if the model cannot be traced, `SlotLayoutError` if a
-    slot does not see its channels where it normalises them (e.g. ViT tokens, checked on fake tensors).
+    slot's input holds its channels neither in dim 1 nor in the last dim (checked on fake tensors).
     """
     slots = {name: m for name, m in model.named_modules() if isinstance(m, PatchNormSlot)}
     if not slots:
         return []
+    _separate_qkv_biases(model)
     try:
-        graph = _BindingTracer().trace(model)
+        with _keeping_module_state(model):
+            graph = _BindingTracer().trace(model)
     except Exception as e:
         raise RuntimeError(
             f"cannot bind the patchnorm slots of {type(model).__name__}: torch.fx could not trace it "
             f"({type(e).__name__}: {e}). Use a traceable model, or a norm layer other than 'patchnorm'."
         ) from e
     modules = dict(model.named_modules())
-    calls: Dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == 'call_module':
-            calls[node.target] = calls.get(node.target, 0) + 1
-
-    bindings: Dict[str, SlotBinding] = {}
-    for node in graph.nodes:
-        if node.op != 'call_module' or node.target not in slots:
-            continue
-        if calls[node.target] != 1:
-            bindings[node.target] = SlotBinding(node.target, note=f'called {calls[node.target]} times in forward')
-            continue
-        producer, producer_note = _find_producer(node, modules, calls)
-        consumers, consumer_note = _find_consumers(node, modules, calls)
-        note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
-        bindings[node.target] = SlotBinding(node.target, producer, consumers, note)
-    if any(_needs_layout_check(b, modules) for b in bindings.values()):
-        _check_slot_layouts(model, slots)
+    flow = _SlotGraph(graph, modules, *_traced_values(model, graph, slots))
+    bindings = {
+        node.target: _bind_slot(node.target, node, slots[node.target], flow, model)
+        for node in graph.nodes if node.op == 'call_module' and node.target in slots}
 
     def correct(path: str, scale: str, add_bias: bool = False) -> None:
         modules[path] = divergence_corrected(modules[path], scale=scale, add_bias=add_bias)
         _replace(model, path, modules[path])
 
+    bindings = {name: bindings.get(name, SlotBinding(name, note='not reached by forward')) for name in slots}
+    for name, slot in slots.items():  # producers first: a layer that also consumes another slot keeps their bias
+        if bindings[name].producer is not None:
+            correct(bindings[name].producer, slot.scale, add_bias=True)
+            modules[bindings[name].producer].fuse_post_affine(slot)
     for name, slot in slots.items():
-        binding = bindings.get(name, SlotBinding(name, note='not reached by forward'))
-        if binding.producer is not None:
-            correct(binding.producer, slot.scale, add_bias=True)
-            modules[binding.producer].fuse_post_affine(slot)
+        binding = bindings[name]
         for path in binding.consumers:
             correct(path, slot.scale)
         slot.bind(binding, fused=binding.producer is not None)
@@ -229,7 +337,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
 
     all_affine = [slot for slot in slots.values() if slot.corrects_all_affine]
     if all_affine:
-        for path in calls:
+        for path in flow.calls:
             if type(modules[path]) in _AFFINE_TYPES:
                 correct(path, all_affine[0].scale)
     return [slots[name].binding for name in slots]

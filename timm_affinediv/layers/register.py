@@ -8,10 +8,17 @@ Adds, without changing any of timm's own entries:
 - `patchnorm`, `affinediv` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
   `convnext_*` takes them in both MLP layouts;
 - a step inside `timm.create_model` (timm's model builder, after construction and before
-  pretrained weights load) that binds the model's `patchnorm` slots.
+  pretrained weights load) that binds the model's `patchnorm` slots;
+- for the families whose constructor calls `norm_layer` as a class and never resolves a string (EVA, Swin,
+  PVT-v2, XCiT, Mixer, ...), `create_model(..., norm_layer="patchnorm")` passes them the slot class the string
+  names, so the string works wherever the class does; for the entrypoints that fix `norm_layer` themselves
+  (MobileNetV3's), the BatchNorms of the model they build are swapped for slots.
 Idempotent.
 """
 import functools
+
+import torch.nn as nn
+from timm.layers import BatchNormAct2d
 
 from .. import _timm_compat as compat
 from .binding import bind_patchnorm
@@ -48,6 +55,66 @@ def _binding_init_model_traits(init_model_traits):
     return init_model_traits_and_bind
 
 
+# what a constructor that calls `norm_layer(dim)` or `partial(norm_layer, ...)` raises for a string
+_NOT_CALLABLE = ("'str' object is not callable", 'the first argument must be callable')
+
+
+
+
+def _sets_norm_layer(error: Exception) -> bool:
+    """What an entrypoint that sets `norm_layer` itself (MobileNetV3's `dict(norm_layer=..., **kwargs)`) raises when
+    it is passed one too: a TypeError or (Python 3.11's dict merge) a KeyError naming it."""
+    if isinstance(error, KeyError):
+        return error.args == ('norm_layer',)
+    return "got multiple values for keyword argument 'norm_layer'" in str(error)
+
+
+def _swap_batchnorms(model: nn.Module, norm: str) -> nn.Module:
+    """ `model` with its BatchNorm2d and BatchNormAct2d layers replaced by `norm` slots (the norm-act slot keeps
+    the layer's activation and dropout), then bound: for the entrypoints that fix `norm_layer` themselves."""
+    for path, module in list(model.named_modules()):
+        if isinstance(module, BatchNormAct2d):
+            slot = NORM_ACT_LAYERS[norm](module.num_features, apply_act=False)
+            slot.act, slot.drop = module.act, module.drop
+        elif type(module) is nn.BatchNorm2d:
+            slot = NORM_LAYERS[norm](module.num_features)
+        else:
+            continue
+        parent, _, name = path.rpartition('.')
+        setattr(model.get_submodule(parent), name, slot)
+    bind_patchnorm(model)
+    return model
+
+
+def _with_slot_class(create_fn):
+    """ `create_fn`, for a slot's name as `norm_layer` where its family cannot take the string: with the slot class
+    where the constructor only calls a class, with its BatchNorms swapped for slots where the entrypoint fixes
+    `norm_layer` itself."""
+    @functools.wraps(create_fn)
+    def create(*args, **kwargs):
+        try:
+            return create_fn(*args, **kwargs)
+        except (TypeError, KeyError) as e:
+            norm = kwargs.get('norm_layer')
+            if not (isinstance(norm, str) and norm in NORM_LAYERS):
+                raise
+            if _sets_norm_layer(e):
+                return _swap_batchnorms(create_fn(*args, **{k: v for k, v in kwargs.items() if k != 'norm_layer'}),
+                                        norm)
+            if not any(m in str(e) for m in _NOT_CALLABLE):
+                raise
+        return create_fn(*args, **dict(kwargs, norm_layer=NORM_LAYERS[norm]))
+    return create
+
+
+def _slot_class_entrypoints(model_entrypoint):
+    @functools.wraps(model_entrypoint)
+    def entrypoint(*args, **kwargs):
+        return _with_slot_class(model_entrypoint(*args, **kwargs))
+    entrypoint.takes_slot_names = True
+    return entrypoint
+
+
 def register() -> None:
     """Register the layers with timm's factories and bind `patchnorm` slots in `create_model`."""
     _add_entries(compat.NORM_MAP, NORM_LAYERS, 'norm factory')
@@ -60,3 +127,4 @@ def register() -> None:
                  dict(patchnorm2d=PatchNormAct2d, affinedivnorm2d=AffineDivNormAct2d), 'norm-act factory')
     _add_entries(compat.CONVNEXT_NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
     compat.wrap_init_model_traits(_binding_init_model_traits, marker='binds_patchnorm')
+    compat.wrap_model_entrypoint(_slot_class_entrypoints, marker='takes_slot_names')

@@ -141,7 +141,9 @@ class PatchNorm2d(PatchNormSlot):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.slot_forward(x)
-        return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
+        if self.channels_last and self.channel_dim == 1 and x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (', channels_last' if self.channels_last else '')
