@@ -12,7 +12,6 @@ then the mean ratio of images/s and the top-1 mean and spread of each tool over 
 
 timm's train.py is not in timm's wheel: pass a checkout of https://github.com/huggingface/pytorch-image-models.
 """
-import argparse
 import csv
 import json
 import os
@@ -25,7 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from timm_affinediv.cli import run_main
+from timm_affinediv.commands import command_parser
+
 NARROW = ['norm_layer=patchnorm', 'channels=(16,32,64,128)', 'stem_width=16']
+
 
 
 def recipe(epochs: int, batch_size: int, workers: int, seed: int) -> list:
@@ -78,8 +81,8 @@ def run_finetune(data: Path, out: Path, flags: list) -> dict:
     return dict(img_s=statistics.mean(h['train_img_s'] for h in history), top1=history[-1]['val_top1'])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    p = command_parser('compare_train_py', __doc__, prog='scripts/compare_train_py.py')
     p.add_argument('timm_dir', type=Path, help='a checkout of pytorch-image-models (holding train.py)')
     p.add_argument('--seeds', type=int, nargs='+', default=[0, 1, 2])
     p.add_argument('--train-images', type=int, default=6000)
@@ -87,7 +90,7 @@ def main() -> None:
     p.add_argument('--epochs', type=int, default=3)
     p.add_argument('-b', '--batch-size', type=int, default=64)
     p.add_argument('-j', '--workers', type=int, default=2)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not (args.timm_dir / 'train.py').is_file():
         raise SystemExit(f'{args.timm_dir} holds no train.py: give a checkout of pytorch-image-models.')
     work = Path(tempfile.mkdtemp(prefix='compare-train-py-'))
@@ -118,7 +121,8 @@ def main() -> None:
         spread = statistics.stdev(top1) if len(top1) > 1 else 0.
         print(f'{name}: top-1 {statistics.mean(top1):.2f} +- {spread:.2f} (mean +- sd over {len(top1)} seeds)')
     print(f'images/s finetune / train.py: {statistics.mean(ratios):.3f} (mean over seeds)')
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    sys.exit(run_main(main))

@@ -14,7 +14,6 @@ Writes `docs/coverage.md` (a table and the summary line "N of M timm families") 
     python scripts/coverage.py --no-forward --output a.md && python scripts/coverage.py --modules vit ... \
         --output b.md && python scripts/coverage.py --merge a.json b.json      # bind-only rows, some checked
 """
-import argparse
 import contextlib
 import copy
 import gc
@@ -34,11 +33,14 @@ from timm.models import model_entrypoint
 import timm_affinediv
 from timm_affinediv import AffineDivLinear, PatchNorm2d, PatchNormConv2d, describe_slots, update_factor
 from timm_affinediv._timm_compat import get_model_input_config
+from timm_affinediv.cli import run_main
+from timm_affinediv.commands import command_parser
 from timm_affinediv.layers.slot import PatchNormSlot
 
 README_FAMILIES = ['resnet', 'convnext', 'vision_transformer', 'deit', 'eva', 'swin_transformer', 'efficientnet',
                    'regnet', 'mobilenetv3', 'densenet']
 NOT_CALLABLE = ("'str' object is not callable", 'the first argument must be callable')
+
 
 
 @dataclass
@@ -281,7 +283,7 @@ def write(rows: List[Row], output: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = command_parser('coverage', __doc__, prog='scripts/coverage.py')
     parser.add_argument('--output', default='docs/coverage.md')
     parser.add_argument('--modules', nargs='*', help='timm modules to cover (default: all)')
     parser.add_argument('--families', nargs='*', default=[],
@@ -349,4 +351,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

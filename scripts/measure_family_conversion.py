@@ -6,7 +6,6 @@ fine-tuning) on the first `--test-images` test images, their top-1 agreement, an
     python scripts/measure_family_conversion.py --model vit_tiny_patch16_224 --checkpoint run/model.safetensors \\
         --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
 """
-import argparse
 import sys
 import time
 
@@ -14,6 +13,8 @@ import torch
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv.cli import run_main
+from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.model_io import load_trained_model
@@ -29,7 +30,7 @@ def predictions(model: torch.nn.Module, loader) -> tuple:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser = command_parser('measure_family_conversion', __doc__, prog='scripts/measure_family_conversion.py')
     parser.add_argument('--model', required=True)
     parser.add_argument('--checkpoint', required=True, help='the trained weights (safetensors)')
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
@@ -55,4 +56,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(run_main(main))

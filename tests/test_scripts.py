@@ -4,8 +4,8 @@ beside the features they measure (test_cli, test_evidence)."""
 import pytest
 from conftest import SCRIPTS
 
-SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'measure_conversion', 'measure_finetune',
-                'experiments')
+SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'bench_gpu', 'measure_conversion',
+                'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments')
 
 
 def test_every_script_is_listed():
