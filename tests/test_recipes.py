@@ -7,6 +7,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from test_train import _interrupt_at_update  # SIGINT after an optimiser update, as Ctrl-C
+from timm.data import FastCollateMixup, Mixup
 from timm.data.auto_augment import RandAugment
 from timm.data.random_erasing import RandomErasing
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
@@ -37,26 +38,40 @@ def _transforms(trainer):
 
 
 def test_augmentation_flags_build_timm_transforms(tmp_path):
-    cfg = recipe(tmp_path, aa='rand-m9-mstd0.5', reprob=0.25, remode='pixel', recount=2, vflip=0.5,
-                 train_interpolation='bicubic', scale=(0.5, 1.0), ratio=(0.8, 1.25))
-    trainer = Trainer(cfg)
+    settings = dict(aa='rand-m9-mstd0.5', reprob=0.25, remode='pixel', recount=2, vflip=0.5,
+                    train_interpolation='bicubic', scale=(0.5, 1.0), ratio=(0.8, 1.25))
+    trainer = Trainer(recipe(tmp_path, **settings))
     transforms = _transforms(trainer)
     kinds = [type(t) for t in transforms]
-    assert RandAugment in kinds and RandomErasing in kinds
-    erasing = transforms[kinds.index(RandomErasing)]
+    assert RandAugment in kinds and RandomErasing not in kinds  # train.py's prefetcher: erased on the device
+    erasing = trainer.normalize_batch.random_erasing
     assert (erasing.probability, erasing.mode, erasing.max_count) == (0.25, 'pixel', 2)
     crop = transforms[0]
     assert crop.scale == (0.5, 1.0) and crop.ratio == (0.8, 1.25)
     assert any(getattr(t, 'p', None) == 0.5 and 'Vertical' in type(t).__name__ for t in transforms)
+    x, _ = next(iter(trainer.train_loader))
+    assert x.dtype == torch.uint8
+    normalized = trainer.normalize_batch(x)
+    assert normalized.dtype == torch.float32 and normalized.shape == x.shape
     metrics = trainer.fit().metrics
     assert torch.isfinite(torch.tensor(metrics['train_loss']))
+
+    plain = Trainer(recipe(tmp_path / 'plain', no_prefetcher=True, **settings))
+    assert plain.normalize_batch is None
+    erasing = [t for t in _transforms(plain) if isinstance(t, RandomErasing)]
+    assert len(erasing) == 1 and (erasing[0].probability, erasing[0].max_count) == (0.25, 2)
+    assert next(iter(plain.train_loader))[0].dtype == torch.float32
 
 
 @pytest.mark.parametrize('bce', [False, True])
 def test_mixup_cutmix_mix_targets_into_the_soft_target_loss(tmp_path, bce):
+    """Mixed in the loader's FastCollateMixup (the prefetcher, with the soft-target loss) or, without the
+    prefetcher, by timm's Mixup in the training step (with BCE)."""
     cfg = recipe(tmp_path, mixup=0.2, cutmix=1.0, mixup_switch_prob=0.5, smoothing=0.1, bce_loss=bce,
-                 bce_target_thresh=0.2 if bce else None)
+                 bce_target_thresh=0.2 if bce else None, no_prefetcher=bce)
     trainer = Trainer(cfg)
+    assert isinstance(trainer.train_loader.collate_fn, FastCollateMixup) != bce
+    assert isinstance(trainer.mixup_fn, Mixup) == bce
     loss = trainer.train_loss_fn
     assert isinstance(loss, BinaryCrossEntropy if bce else SoftTargetCrossEntropy)
     if bce:
@@ -145,7 +160,7 @@ def test_config_yaml_of_train_py(tmp_path):
     cfg = TrainConfig(**{**settings, 'output': str(tmp_path / 'run'), 'train_subset': 32, 'val_subset': 16,
                          'workers': 0, 'num_classes': 10, 'norm_layer': 'patchnorm', 'progress': False})
     trainer = Trainer(cfg)
-    assert isinstance(trainer.train_loss_fn, BinaryCrossEntropy) and trainer.mixup_fn is not None
+    assert isinstance(trainer.train_loss_fn, BinaryCrossEntropy) and trainer.train_loader.collate_fn.mixup_alpha == 0.1
     assert type(trainer.optimizer).__name__ == 'Lamb'
     assert trainer.lr == pytest.approx(0.002 * (16 / 256) ** 0.5)
     assert trainer.model.layer2[0].drop_path.drop_prob == pytest.approx(0.05 * 2 / 7)  # block 2 of 0..7
@@ -157,8 +172,9 @@ def test_config_yaml_of_train_py(tmp_path):
 
 
 def test_resume_with_mixup_and_randaugment_is_bit_exact(tmp_path):
+    """Two loader processes: RandAugment and the mixing draw there, the erasing on the device."""
     settings = dict(epochs=2, train_subset=48, aa='rand-m9-mstd0.5', reprob=0.25, mixup=0.2, cutmix=1.0,
-                    drop_path=0.1, layer_decay=0.75, sched_on_updates=True, warmup_epochs=1)
+                    drop_path=0.1, layer_decay=0.75, sched_on_updates=True, warmup_epochs=1, workers=2)
     full = Trainer(recipe(tmp_path / 'full', **settings)).fit()
     interrupted = Trainer(recipe(tmp_path / 'cut', **settings))
     _interrupt_at_update(interrupted, 4)  # 3 updates per epoch: in the middle of epoch 1

@@ -6,6 +6,8 @@ folders and tars, `torch/NAME`, `hfds/NAME` (map-style), and the streams `wds/NA
 Loaders use `timm.data.resolve_data_config` + `create_transform`, and for map-style datasets a
 `DistributedSampler` whose order depends only on (seed, epoch), so that a resumed run sees the same data order
 as an uninterrupted one. Streams shuffle and shard themselves (timm's readers), seeded by (seed, epoch).
+The training loader is timm train.py's prefetcher path by default: workers send uint8 batches (`fast_collate`,
+mixup/cutmix in `FastCollateMixup`), and `BatchNormalizer` makes them float, normalised and erased on the device.
 """
 import functools
 import gzip
@@ -17,7 +19,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 from PIL import Image
-from timm.data import create_dataset, create_transform, resolve_data_config
+from timm.data import FastCollateMixup, create_dataset, create_transform, resolve_data_config
+from timm.data.loader import fast_collate
+from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 
 from .errors import DataError
@@ -25,8 +29,8 @@ from .errors import DataError
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
     'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes',
-    'resolve_dataset_data_config', 'create_train_loader', 'set_loader_epoch', 'create_eval_loader', 'dataset_scheme',
-    'is_stream',
+    'resolve_dataset_data_config', 'create_train_loader', 'BatchNormalizer', 'set_loader_epoch', 'create_eval_loader',
+    'dataset_scheme', 'is_stream',
 ]
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -321,18 +325,23 @@ def create_train_loader(
         rank: int = 0,
         world_size: int = 1,
         augment: Optional[Dict[str, Any]] = None,
+        prefetcher: bool = True,
+        mixup: Optional[Dict[str, Any]] = None,
         pin_memory: bool = False,
 ) -> DataLoader:
     """Training loader: `timm.data.create_transform(**data_config, is_training=True, **augment)`, shuffled by a
     `DistributedSampler` (also with one process), or, for a stream, in the stream's own order.
 
     `augment` holds `create_transform`'s training arguments by their timm names (`auto_augment`, `re_prob`,
-    `scale`, `hflip`, ...). The order of an epoch depends only on (seed, epoch): call
-    `set_loader_epoch(loader, epoch)` before each epoch. Batches are per process (`batch_size` each); the last
-    incomplete batch is dropped. A stream shards itself over processes and loader workers (timm's readers) and
-    takes no `subset`: `num_samples` sets its epoch length where its metadata does not.
+    `scale`, `hflip`, ...). With `prefetcher` (timm train.py's default), batches are uint8 (`fast_collate`, or
+    `FastCollateMixup(**mixup)` mixing them in the workers) and `BatchNormalizer` finishes them on the device;
+    without, they are normalised and erased in the workers, and `mixup` is left to the caller (`timm.data.Mixup`).
+    The order of an epoch and its augmentation depend only on (seed, epoch): call `set_loader_epoch(loader, epoch)`
+    before each epoch. Batches are per process (`batch_size` each); the last incomplete batch is dropped. A stream
+    shards itself over processes and loader workers (timm's readers) and takes no `subset`: `num_samples` sets its
+    epoch length where its metadata does not.
     """
-    transform = create_transform(**{**data_config, **(augment or {})}, is_training=True)
+    transform = create_transform(**{**data_config, **(augment or {})}, is_training=True, use_prefetcher=prefetcher)
     dataset = create_image_dataset(
         name, root, split, in_chans=data_config['input_size'][0], transform=transform, is_training=True,
         num_samples=num_samples, batch_size=batch_size, seed=seed, workers=workers)
@@ -349,9 +358,40 @@ def create_train_loader(
         raise DataError(
             f'the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world_size} '
             f'processes); lower --batch-size or use more data.')
+    collate = None
+    if prefetcher and mixup:  # the dataset's class count first, as the trainer sizes the head
+        collate = FastCollateMixup(**{**mixup, 'num_classes': dataset_num_classes(dataset) or mixup['num_classes']})
+    elif prefetcher:
+        collate = fast_collate
+    # not persistent: each epoch's workers are seeded afresh from (seed, epoch), so a resumed epoch draws the same
     return DataLoader(
-        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True,
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, drop_last=True, collate_fn=collate,
         pin_memory=pin_memory, generator=torch.Generator(), persistent_workers=False)
+
+
+class BatchNormalizer:
+    """ The device half of timm's prefetcher (`timm.data.PrefetchLoader`) for a uint8 batch of a prefetcher
+    loader: `x = (float(x) - 255 mean) / (255 std)` on `device`, then timm's `RandomErasing` there, in `memory_format`.
+
+    Unlike `PrefetchLoader`, it runs when a batch is consumed, not one batch ahead, so the erasing draws from the
+    random state in batch order: a run resumed mid-epoch draws exactly what the uninterrupted one did.
+    """
+
+    def __init__(self, data_config: Dict[str, Any], device: torch.device, re_prob: float = 0., re_mode: str = 'pixel',
+                 re_count: int = 1, memory_format: torch.memory_format = torch.contiguous_format):
+        shape = (1, -1, 1, 1)
+        self.device = device
+        self.mean = torch.tensor([255 * m for m in data_config['mean']], device=device).view(shape)
+        self.std = torch.tensor([255 * s for s in data_config['std']], device=device).view(shape)
+        self.random_erasing = RandomErasing(
+            probability=re_prob, mode=re_mode, max_count=re_count, device=device) if re_prob > 0 else None
+        self.memory_format = memory_format
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
+        if self.random_erasing is not None:
+            x = self.random_erasing(x)
+        return x.contiguous(memory_format=self.memory_format)
 
 
 def set_loader_epoch(loader: DataLoader, epoch: int, seed: int, rank: int = 0) -> None:

@@ -74,6 +74,9 @@ def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('-vb', '--validation-batch-size', type=positive_int)
     g.add_argument('-j', '--workers', type=non_negative_int, default=d.workers,
                    help='data loading processes per process')
+    g.add_argument('--no-prefetcher', action='store_true',
+                   help="timm train.py's: normalise and erase in the workers and mix in this process, instead of "
+                        'sending uint8 batches (mixed by FastCollateMixup) and finishing them on the device')
 
 
 def add_precision_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:

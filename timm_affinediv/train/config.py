@@ -70,6 +70,7 @@ class TrainConfig:
     batch_size: int = 128
     validation_batch_size: Optional[int] = None
     workers: int = 2
+    no_prefetcher: bool = False  # train.py's: workers send normalised float batches, mixup runs in this process
     # augmentation (timm.data.create_transform) and regularisation
     no_aug: bool = False
     train_crop_mode: Optional[str] = None

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from .._io import atomic_dir, atomic_write
 from ..data import (
+    BatchNormalizer,
     create_eval_loader,
     create_train_loader,
     dataset_num_classes,
@@ -185,7 +186,8 @@ class Trainer:
         self.train_loader = create_train_loader(
             cfg.dataset, cfg.data_dir, self.data_config, cfg.batch_size, split=cfg.train_split,
             subset=cfg.train_subset, num_samples=cfg.train_num_samples, seed=cfg.seed,
-            augment=cfg.transform_kwargs(), **loader_args)
+            augment=cfg.transform_kwargs(), prefetcher=not cfg.no_prefetcher,
+            mixup=cfg.mixup_kwargs(cfg.num_classes) if cfg.mixup_active else None, **loader_args)
         self.val_loader = create_eval_loader(
             cfg.dataset, cfg.data_dir, self.data_config, cfg.validation_batch_size or cfg.batch_size,
             split=cfg.val_split, subset=cfg.val_subset, num_samples=cfg.val_num_samples, **loader_args)
@@ -216,7 +218,11 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group['lr'] = self.lr * group.get('lr_scale', 1.)
         self.loss_scaler = NativeScaler(self.device.type) if self.amp_dtype == torch.float16 else None
-        self.mixup_fn = Mixup(**cfg.mixup_kwargs(self.num_classes)) if cfg.mixup_active else None
+        # with the prefetcher, the loader mixes (train.py's FastCollateMixup) and BatchNormalizer finishes each batch
+        self.mixup_fn = Mixup(**cfg.mixup_kwargs(self.num_classes)) \
+            if cfg.mixup_active and cfg.no_prefetcher else None
+        self.normalize_batch = None if cfg.no_prefetcher else BatchNormalizer(
+            self.data_config, self.device, cfg.reprob, cfg.remode, cfg.recount, self.memory_format)
         base_loss = create_train_loss(cfg)
         self.train_loss_fn = DistillationLoss(base_loss, cfg.distill_weight, cfg.distill_temperature) \
             if self.teacher is not None else base_loss
@@ -309,8 +315,10 @@ class Trainer:
         accum = cfg.grad_accum_steps
         num_batches = len(self.train_loader)  # for a stream, its estimate of itself
         set_loader_epoch(self.train_loader, epoch, cfg.seed, self.rank)
-        if self.mixup_fn is not None and cfg.mixup_off_epoch and epoch >= cfg.mixup_off_epoch:
-            self.mixup_fn.mixup_enabled = False
+        if cfg.mixup_off_epoch and epoch >= cfg.mixup_off_epoch:
+            for mixer in (self.mixup_fn, self.train_loader.collate_fn):
+                if hasattr(mixer, 'mixup_enabled'):
+                    mixer.mixup_enabled = False
         start = time.perf_counter()  # the loader workers' start-up counts, as in timm's train.py
         loader_iter = iter(self.train_loader)
         first_batch = self.update_in_epoch * accum
@@ -335,7 +343,10 @@ class Trainer:
             (next(loader_iter), i + 1 == num_batches) for i in range(first_batch, num_batches))
         with progress:
             for batch_idx, ((x, target), is_last) in enumerate(batches, start=first_batch):
-                x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
+                if self.normalize_batch is not None:
+                    x = self.normalize_batch(x)
+                else:
+                    x = x.to(self.device, non_blocking=True, memory_format=self.memory_format)
                 target = target.to(self.device, non_blocking=True)
                 if self.mixup_fn is not None:
                     x, target = self.mixup_fn(x, target)
