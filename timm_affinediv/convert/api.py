@@ -51,7 +51,6 @@ class CalibrationOptions:
 
 
 @dataclass
-@dataclass
 class LayerFit:
     """How well one corrected layer reproduces the original at `target`, before and after fitting."""
     layer: str

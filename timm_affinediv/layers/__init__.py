@@ -13,3 +13,10 @@ from .slot import (
     PatchNormAct2d,
     SlotBinding,
 )
+
+__all__ = [
+    'AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'bind_patchnorm',
+    'describe_kernel_paths', 'describe_slots', 'divergence_corrected', 'layer_kernel_paths', 'L2Norm', 'L2Norm2d',
+    'L2NormLinear', 'l2_normalise', 'register', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
+    'NormMismatchError', 'PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'SlotBinding',
+]

@@ -608,7 +608,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
                         post_bias: Optional[torch.Tensor], padding: Tuple[int, int]) -> torch.Tensor:
         """The forward on the fused Triton kernels, with the fused slot's activation where it can take it."""
         from .kernels import functional  # here, not at the top: the kernels' ops use this module's box filter
-        act = functional.fused_activation(self.fused_slot)
+        act = self.fused_slot.kernel_activation() if self.fused_slot is not None else 'none'
         return functional.patchnorm_conv2d(
             x, weight, bias, post_bias, self.stride, padding, self.dilation, self.groups, self.divergence_constant,
             _norm_offset(bias is not None, self.eps), act)

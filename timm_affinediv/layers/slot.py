@@ -103,6 +103,15 @@ class PatchNormSlot(nn.Module):
         self.bound = binding.bound or self.corrects_all_affine
         self.fused = fused
 
+    @torch.jit.unused
+    def kernel_activation(self) -> str:
+        """The activation the fused producer's Triton kernel applies for this slot ('relu', 'silu', 'gelu'), or
+        'none' (the slot applies its own): the one place that decides it, read by the producer and the slot."""
+        if not (self.fused and self.activation_in_producer):
+            return 'none'
+        from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
+        return functional.fused_activation(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.slot_forward(x)
 
@@ -187,9 +196,8 @@ class PatchNormAct2d(PatchNorm2d):
 
     @torch.jit.unused
     def _activation_applied(self, x: torch.Tensor) -> bool:
-        """Whether the fused producer's Triton kernel applied this slot's activation (and the dropout is none)."""
-        from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
-        return use_triton(x) and functional.fused_activation(self) != 'none'
+        """Whether the fused producer's Triton kernel applied this slot's activation (TorchScript skips it)."""
+        return use_triton(x) and self.kernel_activation() != 'none'
 
 
 @register_notrace_module
