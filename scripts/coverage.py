@@ -172,6 +172,8 @@ def check_factors(model: nn.Module, x: torch.Tensor, max_layers: int) -> float:
         index = [0] * out.dim()
         index[1 if isinstance(layer, nn.Conv2d) else -1] = slice(None)
         expected = torch.full((layer.weight.shape[0],), float(layer.divergence_constant), dtype=torch.float64)
+        if layer.bias is None:  # c |P|^2 / (|P|^2 + eps) = c - eps / s^2: 0 where a patch is all zero (after a ReLU)
+            expected = expected - layer.eps * _inv_scale_at(layer, layer_in, index) ** 2
         if layer.fused_slot is not None:  # random gains: zero-initialised last norms would make the factor 0
             gain = layer.fused_slot.weight
             with torch.no_grad():
@@ -180,6 +182,14 @@ def check_factors(model: nn.Module, x: torch.Tensor, max_layers: int) -> float:
         factor = update_factor(lambda: layer(layer_in), [layer.weight, layer.bias], tuple(index))
         worst = max(worst, ((factor - expected).abs() / expected.abs().clamp_min(1e-12)).max().item())
     return worst
+
+
+def _inv_scale_at(layer: nn.Module, layer_in: torch.Tensor, index: list) -> torch.Tensor:
+    """`1 / s` of the patch (or row) each output channel of `layer` reads at the position `index` picks."""
+    if isinstance(layer, nn.Conv2d):
+        inv_s = layer.inv_scale(layer_in, layer._reversed_padding_repeated_twice)[0, :, 0, 0]  # one per group
+        return inv_s.repeat_interleave(layer.out_channels // layer.groups)
+    return layer.inv_scale(layer_in)[tuple(index[:-1])].expand(layer.out_features)
 
 
 def train_step(model: nn.Module, sizes: List[tuple]) -> tuple:
@@ -270,16 +280,42 @@ def write(rows: List[Row], output: Path) -> None:
         '| factor exact | status | reason / standalone slots |',
         '|---|---|---|---|---|---|---|---|---|---|---|',
     ]
-    for r in rows:
+    for r in part1:
         note = r.reason or '; '.join(r.standalone[:3]) + (f' (+{len(r.standalone) - 3} more)' if len(r.standalone) > 3
                                                           else '')
         flag = {True: 'yes', False: 'NO', None: ''}
         lines.append(
             f'| {r.family} | {r.model} | {r.params_m} | {r.norm_layer} | {r.bound}/{r.slots} | {r.corrected_layers} '
             f'| {r.input_size} | {flag[r.finite]} | {flag[r.factor_exact]} | {r.status} | {note.replace("|", "/")} |')
+    lines += _sweep_lines([r for r in rows if r.family.endswith(' (all)')])
     tmp = output.with_suffix('.md.tmp')
     tmp.write_text('\n'.join(lines) + '\n')
     tmp.replace(output)
+
+
+def _sweep_lines(sweep: List[Row]) -> List[str]:
+    """Part 2 in words: per family, how many of its models bind every slot, some, or are refused; then each model
+    that does not bind every slot, with the reason."""
+    if not sweep:
+        return []
+    lines = ['', '## Every model of the families README names', '',
+             f'Part 2 (`--families`): every model of these families up to the size limit, built with '
+             f'`norm_layer="patchnorm"` and bound (no forward): {len(sweep)} models.', '',
+             '| family | models | every slot bound | some slots standalone | refused |', '|---|---|---|---|---|']
+    for family in sorted({r.family for r in sweep}):
+        models = [r for r in sweep if r.family == family]
+        refused = sum(r.status not in ('bound', 'working') for r in models)
+        whole = sum(r.status in ('bound', 'working') and r.bound == r.slots for r in models)
+        lines.append(f'| {family[:-len(" (all)")]} | {len(models)} | {whole} | {len(models) - whole - refused} '
+                     f'| {refused} |')
+    partial = [r for r in sweep if r.status not in ('bound', 'working') or r.bound != r.slots]
+    if partial:
+        lines += ['', '| model | slots bound | status | reason / standalone slots |', '|---|---|---|---|']
+        for r in partial:
+            note = r.reason or '; '.join(r.standalone[:2]) + (f' (+{len(r.standalone) - 2} more)'
+                                                               if len(r.standalone) > 2 else '')
+            lines.append(f'| {r.model} | {r.bound}/{r.slots} | {r.status} | {note.replace("|", "/")[:300]} |')
+    return lines
 
 
 def main(argv=None) -> int:
@@ -311,10 +347,12 @@ def main(argv=None) -> int:
         write(sorted(merged.values(), key=lambda r: r.family), Path(args.output))
         return 0
     rows: List[Row] = []
-    covered = args.modules or timm.list_modules()
+    covered = args.modules or ([] if args.families else timm.list_modules())  # --families alone: part 2 only
+    swept = {f'{module} (all)' for module in args.families}
     previous = Path(args.output).with_suffix('.json')
-    if args.update and previous.is_file():
-        rows = [Row(**r) for r in json.loads(previous.read_text()) if r['family'] not in covered]
+    if (args.update or not covered) and previous.is_file():
+        rows = [Row(**r) for r in json.loads(previous.read_text())
+                if r['family'] not in covered and r['family'] not in swept]
     for module in covered:
         if module == 'hub':  # timm_affinediv's own loader entry (hf-hub:/local-dir: folders), not a timm family
             continue

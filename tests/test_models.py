@@ -233,6 +233,8 @@ TOKEN_MODELS = {
                                                num_heads=(1, 2))),
     'mambaout': ('mambaout_femto', dict(depths=(1, 1, 1, 1), dims=(8, 16, 24, 32))),
     'pvt_v2': ('pvt_v2_b0', dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))),
+    # its forward takes an optional mask: traced at the default (None), the plain forward
+    'hiera': ('hiera_tiny_224', dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 1))),
 }
 
 

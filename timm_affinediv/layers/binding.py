@@ -20,6 +20,7 @@ can be repeated after changing a model (e.g. `reset_classifier`). `timm.create_m
 automatically once `timm_affinediv` is imported.
 """
 import functools
+import inspect
 import logging
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -55,6 +56,14 @@ class _BindingTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, self._leaf_types) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _default_forward_args(model: nn.Module) -> Dict[str, Any]:
+    """The forward's arguments after the input, traced at their plain defaults (None, a bool, a number): the
+    plain forward, not its masked variant (Hiera's `mask`), which the trace would take, as a proxy is never None."""
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    return {p.name: p.default for p in params
+            if p.kind is p.POSITIONAL_OR_KEYWORD and isinstance(p.default, (type(None), bool, int, float, str))}
 
 
 def divergence_corrected(module: nn.Module, scale: str = 'rms', add_bias: bool = False) -> nn.Module:
@@ -306,7 +315,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     _separate_qkv_biases(model)
     try:
         with _keeping_module_state(model):
-            graph = _BindingTracer().trace(model)
+            graph = _BindingTracer().trace(model, concrete_args=_default_forward_args(model))
     except Exception as e:
         raise RuntimeError(
             f"cannot bind the patchnorm slots of {type(model).__name__}: torch.fx could not trace it "
