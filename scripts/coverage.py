@@ -209,6 +209,16 @@ def train_step(model: nn.Module, sizes: List[tuple]) -> tuple:
     return x, finite
 
 
+def _timm_norm_fails_alike(name: str, message: str) -> bool:
+    """Whether the entrypoint fails with the same message given timm's own norm layer (timm's tf_ EfficientNets
+    pass `bn_eps`, which the constructor takes only without a norm_layer)."""
+    try:
+        model_entrypoint(name)(pretrained=False, norm_layer='batchnorm')
+    except Exception as e:
+        return (str(e).strip().splitlines() or [''])[0][:300] == message
+    return False
+
+
 def cover(family: str, name: str, params: float, forward: bool, max_layers: int, img_size: int = 64) -> Row:
     row = Row(family, name, params_m=round(params, 2))
     start = time.perf_counter()
@@ -247,6 +257,9 @@ def cover(family: str, name: str, params: float, forward: bool, max_layers: int,
             row.status, row.reason = 'refused', 'the constructor has no norm_layer argument'
         else:
             row.status, row.reason = 'refused', f'{type(e).__name__}: {message}'
+            if _timm_norm_fails_alike(name, message):
+                row.reason = f"timm's entrypoint takes no norm_layer here: {row.reason} (the same with timm's own " \
+                             "norm_layer='batchnorm')"
     finally:
         row.seconds = round(time.perf_counter() - start, 1)
     return row

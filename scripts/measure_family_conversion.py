@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs)
     parser.add_argument('--calib-batches', type=int, default=8)
     parser.add_argument('--test-images', type=int, default=2000)
+    parser.add_argument('--ridge', type=float, default=1e-2, help="convert_model's pull towards the analytic map")
+    parser.add_argument('--positions-per-unknown', type=float, default=32.,
+                        help="convert_model's sample budget per unknown of a fit (0: every position)")
     args = parser.parse_args(argv)
     model = load_trained_model(args.model, checkpoint=args.checkpoint, num_classes=10, in_chans=1,
                                **args.model_kwargs)
@@ -44,7 +47,8 @@ def main(argv=None) -> int:
     calib = [x for x, _ in create_eval_loader('fashion-mnist', None, cfg, 64, split='train',
                                               subset=args.calib_batches * 64, workers=0)]
     start = time.perf_counter()
-    converted, report = convert_model(model, calibration=calib)
+    converted, report = convert_model(model, calibration=calib, ridge=args.ridge,
+                                      positions_per_unknown=args.positions_per_unknown or None)
     seconds = time.perf_counter() - start
     original, targets = predictions(model, test)
     ours, _ = predictions(converted.eval(), test)

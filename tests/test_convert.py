@@ -20,6 +20,7 @@ from timm_affinediv.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, FashionMN
 NARROW = dict(resnet18=dict(channels=(16, 32, 64, 128), stem_width=16),
               convnext_atto=dict(dims=(16, 32, 64, 128)),
               vit_tiny_patch16_224=dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2),
+              eva02_tiny_patch14_224=dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2),
               tinynet_e=dict())
 
 
@@ -94,9 +95,10 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     torch.testing.assert_close(rebuilt.eval()(xt[:8]), calibrated(xt[:8]))
 
 
-@pytest.mark.parametrize('name', ['vit_tiny_patch16_224', 'tinynet_e'])
+@pytest.mark.parametrize('name', ['vit_tiny_patch16_224', 'eva02_tiny_patch14_224', 'tinynet_e'])
 def test_token_and_norm_act_families_convert_with_calibration(name, data):
-    """A LayerNorm ViT (slots over tokens, bound to qkv, fc1 and the head) and a BatchNorm-act EfficientNet
+    """LayerNorm ViT and EVA (slots over tokens, bound to qkv, fc1 and the head; EVA's qkv adds its q/v biases
+    after the map, and is fitted as the module it is in the converted model) and a BatchNorm-act EfficientNet
     (norm-act slots, depthwise and SE blocks) convert with calibration into the model timm builds, every fit at
     least as close as the analytic map. The ViT keeps its top-1; the EfficientNet's 3x3 depthwise and 1-channel
     stem patches are too small for a linear refit to stand in for BatchNorm (README), so only the fits are checked.

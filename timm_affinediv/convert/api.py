@@ -13,6 +13,7 @@ from timm.layers import BatchNormAct2d
 from ..device import resolve_device
 from ..errors import ConversionError
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
+from ..layers.binding import separate_qkv_biases
 from ..layers.slot import PatchNormSlot
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
@@ -225,6 +226,16 @@ def _pre_activation_targets(model: nn.Module, targets: dict) -> nn.Module:
     return model
 
 
+def _qkv_called_as_module(model: nn.Module) -> nn.Module:
+    """`model`, or a copy whose EVA-style attention calls `qkv` as a module and adds its q/v biases after (the same
+    function), as the converted model does: a fit targets that module's output in the original."""
+    if not any(getattr(m, 'qkv_bias_separate', None) is False for m in model.modules()):
+        return model
+    model = copy.deepcopy(model)
+    separate_qkv_biases(model)
+    return model
+
+
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
                options: CalibrationOptions) -> None:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
@@ -240,7 +251,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
     slot_paths = {id(s): n for n, s in converted.named_modules()}
     layers = [(n, m) for n, m in converted.named_modules() if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
-    model = _pre_activation_targets(model, targets)
+    model = _pre_activation_targets(_qkv_called_as_module(model), targets)
     with torch.no_grad():
         analytic = [converted(x) for x in batches[:options.analytic_batches]]
         walk = GraphWalk(trace(converted), batches, cache)

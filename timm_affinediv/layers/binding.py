@@ -269,7 +269,7 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_path), name, new)
 
 
-def _separate_qkv_biases(model: nn.Module) -> None:
+def separate_qkv_biases(model: nn.Module) -> None:
     """ EVA-style attention adds its q/v biases after a module call, not through `F.linear` on the qkv weight,
     so the traced data flow reaches `attn.qkv` as a module the slot can bind to (same function)."""
     for module in model.modules():
@@ -312,7 +312,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     slots = {name: m for name, m in model.named_modules() if isinstance(m, PatchNormSlot)}
     if not slots:
         return []
-    _separate_qkv_biases(model)
+    separate_qkv_biases(model)
     try:
         with _keeping_module_state(model):
             graph = _BindingTracer().trace(model, concrete_args=_default_forward_args(model))
