@@ -26,7 +26,10 @@ CASES = [(model, norm, check) for model, norm, checks in [
     ('resnet18', 'patchnorm', CHECKS), ('convnext_atto', 'patchnorm', CHECKS),
     ('resnet50d', 'patchnorm', SCRIPTING_CHECKS), ('resnet18', 'affinediv', SCRIPTING_CHECKS),
     # token and channels-last families: slots over the last dim, bound to Linears
-    ('test_vit', 'patchnorm', CHECKS), ('test_mambaout', 'patchnorm', CHECKS),
+    ('test_vit', 'patchnorm', CHECKS), ('test_vit3', 'patchnorm', CHECKS), ('test_vit_relpos', 'patchnorm', CHECKS),
+    ('test_mambaout', 'patchnorm', CHECKS),
+    # norm-act slots: EfficientNet's depthwise and squeeze-excite blocks, ByobNet's blocks
+    ('test_efficientnet', 'patchnorm', CHECKS), ('test_byobnet', 'patchnorm', CHECKS),
 ] for check in checks]
 
 
