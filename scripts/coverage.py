@@ -35,11 +35,11 @@ from timm_affinediv import AffineDivLinear, PatchNorm2d, PatchNormConv2d, descri
 from timm_affinediv._timm_compat import get_model_input_config
 from timm_affinediv.cli import run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.layers.register import norm_layer_refusal
 from timm_affinediv.layers.slot import PatchNormSlot
 
 README_FAMILIES = ['resnet', 'convnext', 'vision_transformer', 'deit', 'eva', 'swin_transformer', 'efficientnet',
                    'regnet', 'mobilenetv3', 'densenet']
-NOT_CALLABLE = ("'str' object is not callable", 'the first argument must be callable')
 
 
 
@@ -110,10 +110,11 @@ def build(name: str, row: Row, img_size: Optional[int] = None) -> nn.Module:
         model = create_fn(pretrained=False, norm_layer='patchnorm', **size)
         row.norm_layer = 'string'
     except (TypeError, KeyError) as e:
-        if any(m in str(e) for m in NOT_CALLABLE):
+        refusal = norm_layer_refusal(e)
+        if refusal == 'class':
             model = create_fn(pretrained=False, norm_layer=PatchNorm2d, **size)
             row.norm_layer = 'class'
-        elif isinstance(e, KeyError) and e.args == ('norm_layer',) or 'multiple values' in str(e):
+        elif refusal == 'swapped':
             model = timm.create_model(name, norm_layer='patchnorm', **size)  # the entrypoint sets it: swapped
             row.norm_layer = 'swapped'
         elif 'norm_layer' in str(e):

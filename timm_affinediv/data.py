@@ -227,7 +227,7 @@ def create_image_dataset(
         hint = ('Put images in class sub-folders (<data-dir>/<split>/<class>/<image>).' if not scheme else
                 'For a stream without its sample count, pass --train-num-samples / --val-num-samples.')
         raise DataError(f"cannot open dataset '{name}' (split {split}) at {root}: {e}. {hint}") from e
-    if isinstance(dataset, IterableDataset):
+    if is_stream(dataset):
         dataset.set_loader_cfg(num_workers=workers)
         dataset.transform = transform
         return dataset

@@ -13,7 +13,7 @@ from timm.layers import BatchNormAct2d
 from ..device import resolve_device
 from ..errors import ConversionError
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
-from ..layers.binding import separate_qkv_biases
+from ..layers.binding import fuses_qkv_bias, separate_qkv_biases
 from ..layers.slot import PatchNormSlot
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
@@ -229,7 +229,7 @@ def _pre_activation_targets(model: nn.Module, targets: dict) -> nn.Module:
 def _qkv_called_as_module(model: nn.Module) -> nn.Module:
     """`model`, or a copy whose EVA-style attention calls `qkv` as a module and adds its q/v biases after (the same
     function), as the converted model does: a fit targets that module's output in the original."""
-    if not any(getattr(m, 'qkv_bias_separate', None) is False for m in model.modules()):
+    if not any(fuses_qkv_bias(m) for m in model.modules()):
         return model
     model = copy.deepcopy(model)
     separate_qkv_biases(model)

@@ -269,11 +269,16 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_path), name, new)
 
 
+def fuses_qkv_bias(module: nn.Module) -> bool:
+    """EVA-style attention that adds its q/v biases through `F.linear` on `qkv.weight`, never calling `qkv`."""
+    return getattr(module, 'qkv_bias_separate', None) is False and isinstance(getattr(module, 'qkv', None), nn.Linear)
+
+
 def separate_qkv_biases(model: nn.Module) -> None:
     """ EVA-style attention adds its q/v biases after a module call, not through `F.linear` on the qkv weight,
     so the traced data flow reaches `attn.qkv` as a module the slot can bind to (same function)."""
     for module in model.modules():
-        if getattr(module, 'qkv_bias_separate', None) is False and isinstance(getattr(module, 'qkv', None), nn.Linear):
+        if fuses_qkv_bias(module):
             module.qkv_bias_separate = True
 
 

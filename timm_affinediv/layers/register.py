@@ -25,7 +25,7 @@ from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
 from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
 
-__all__ = ['register']
+__all__ = ['register', 'norm_layer_refusal']
 
 NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, affinediv=AffineDivNorm2d,
                    affinedivnorm2d=AffineDivNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
@@ -59,14 +59,17 @@ def _binding_init_model_traits(init_model_traits):
 _NOT_CALLABLE = ("'str' object is not callable", 'the first argument must be callable')
 
 
-
-
-def _sets_norm_layer(error: Exception) -> bool:
-    """What an entrypoint that sets `norm_layer` itself (MobileNetV3's `dict(norm_layer=..., **kwargs)`) raises when
-    it is passed one too: a TypeError or (Python 3.11's dict merge) a KeyError naming it."""
+def norm_layer_refusal(error: Exception) -> str:
+    """ How a model entrypoint refused a norm layer's name: 'class' where its constructor only calls a class (it
+    called the string), 'swapped' where the entrypoint sets `norm_layer` itself (MobileNetV3's
+    `dict(norm_layer=..., **kwargs)`: a TypeError or, Python 3.11's dict merge, a KeyError naming it), '' for any
+    other error."""
     if isinstance(error, KeyError):
-        return error.args == ('norm_layer',)
-    return "got multiple values for keyword argument 'norm_layer'" in str(error)
+        return 'swapped' if error.args == ('norm_layer',) else ''
+    message = str(error)
+    if "got multiple values for keyword argument 'norm_layer'" in message:
+        return 'swapped'
+    return 'class' if any(m in message for m in _NOT_CALLABLE) else ''
 
 
 def _swap_batchnorms(model: nn.Module, norm: str) -> nn.Module:
@@ -96,12 +99,11 @@ def _with_slot_class(create_fn):
             return create_fn(*args, **kwargs)
         except (TypeError, KeyError) as e:
             norm = kwargs.get('norm_layer')
-            if not (isinstance(norm, str) and norm in NORM_LAYERS):
-                raise
-            if _sets_norm_layer(e):
+            refusal = norm_layer_refusal(e) if isinstance(norm, str) and norm in NORM_LAYERS else ''
+            if refusal == 'swapped':
                 return _swap_batchnorms(create_fn(*args, **{k: v for k, v in kwargs.items() if k != 'norm_layer'}),
                                         norm)
-            if not any(m in str(e) for m in _NOT_CALLABLE):
+            if refusal != 'class':
                 raise
         return create_fn(*args, **dict(kwargs, norm_layer=NORM_LAYERS[norm]))
     return create

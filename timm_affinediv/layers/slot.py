@@ -53,7 +53,6 @@ def _refuse_batchnorm_statistics(
             f"`timm_affinediv.convert_model(model)` in Python.")
 
 
-
 @dataclass(frozen=True)
 class SlotBinding:
     """ What a slot is bound to, by module path in the model that was bound.
