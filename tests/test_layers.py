@@ -362,3 +362,64 @@ def test_from_conv_and_from_linear_share_parameters():
     lin = nn.Linear(4, 2)
     ad = AffineDivLinear.from_linear(lin, scale='l2')
     assert ad.weight is lin.weight and ad.bias is lin.bias and ad.scale == 'l2'
+
+
+def _reference_lstm(lstm: nn.LSTM, x: torch.Tensor, first_input_map) -> torch.Tensor:
+    """ The LSTM recurrence written out, batch first: layer 0's input gates from `first_input_map(x)` (per
+    direction, concatenated), the later layers' from their plain input maps."""
+    directions = 2 if lstm.bidirectional else 1
+    hidden = lstm.hidden_size
+    for layer in range(lstm.num_layers):
+        outputs = []
+        for d, suffix in enumerate(['', '_reverse'][:directions]):
+            names = [f'{kind}_l{layer}{suffix}' for kind in ('weight_ih', 'weight_hh', 'bias_ih', 'bias_hh')]
+            w_ih, w_hh = getattr(lstm, names[0]), getattr(lstm, names[1])
+            b_ih, b_hh = (getattr(lstm, names[2]), getattr(lstm, names[3])) if lstm.bias else (None, None)
+            if layer == 0:
+                gates_in = first_input_map(x)[..., d * 4 * hidden:(d + 1) * 4 * hidden]
+            else:
+                gates_in = F.linear(x, w_ih, b_ih)
+            h = c = torch.zeros(x.shape[0], hidden)
+            steps = range(x.shape[1] - 1, -1, -1) if d else range(x.shape[1])
+            out = [None] * x.shape[1]
+            for t in steps:
+                gates = gates_in[:, t] + F.linear(h, w_hh, b_hh)
+                i, f, g, o = gates.chunk(4, -1)
+                c = f.sigmoid() * c + i.sigmoid() * g.tanh()
+                h = o.sigmoid() * c.tanh()
+                out[t] = h
+            outputs.append(torch.stack(out, 1))
+        x = torch.cat(outputs, -1)
+    return x
+
+
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('bidirectional', [False, True])
+@pytest.mark.parametrize('num_layers', [1, 2])
+def test_affine_div_lstm(bias, bidirectional, num_layers):
+    """Layer 0's input map is `(W_ih x + b_ih) / s(x)` with factor `c` at every step; the rest is nn.LSTM's."""
+    from timm_affinediv import AffineDivLSTM
+    torch.manual_seed(0)
+    plain = nn.LSTM(5, 3, num_layers=num_layers, bias=bias, batch_first=True, bidirectional=bidirectional)
+    lstm = AffineDivLSTM.from_lstm(plain)
+    assert lstm.weight_ih_l0 is plain.weight_ih_l0 and lstm.state_dict().keys() == plain.state_dict().keys()
+    assert lstm.divergence_constant == 5 + bias
+    x = torch.randn(2, 4, 5) * torch.rand(2, 4, 1) * 5                     # varied norms per step
+    s = ((x.square().sum(-1, keepdim=True) + (1 if bias else lstm.eps)) / lstm.divergence_constant).sqrt()
+    directions = [''] + (['_reverse'] if bidirectional else [])
+    expected_map = torch.cat([F.linear(x, getattr(lstm, f'weight_ih_l0{d}'), getattr(lstm, f'bias_ih_l0{d}', None)
+                                       if bias else None) / s for d in directions], -1)
+    torch.testing.assert_close(lstm.input_map(x), expected_map, rtol=1e-12, atol=1e-12)
+    out, (h, c) = lstm(x)
+    torch.testing.assert_close(out, _reference_lstm(lstm, x, lstm.input_map), rtol=1e-10, atol=1e-12)
+    one_sequence, _ = lstm(x[0])                                             # unbatched input
+    torch.testing.assert_close(one_sequence, out[0], rtol=1e-12, atol=1e-12)
+    again, _ = lstm(x, (h, c))                                               # a given state
+    plain_again, _ = plain(x, (h, c))
+    assert again.shape == out.shape and not torch.allclose(again, plain_again)
+    params = [lstm.weight_ih_l0] + ([lstm.bias_ih_l0] if bias else [])
+    for index in [(0, 0, slice(0, 12)), (1, 3, slice(0, 12))]:
+        factor = update_factor(lambda: lstm.input_map(x), params, index)
+        torch.testing.assert_close(factor, torch.full_like(factor, float(lstm.divergence_constant)), rtol=1e-7, atol=0)
+    with pytest.raises(ValueError, match=r'\(N, L, 5\)'):
+        lstm(torch.randn(2, 4, 6))

@@ -7,6 +7,7 @@ from timm.layers import create_norm_act_layer, create_norm_layer, get_norm_layer
 
 import timm_affinediv
 from timm_affinediv import (
+    AffineDivLSTM,
     AffineDivLinear,
     PatchNorm,
     PatchNorm2d,
@@ -35,7 +36,8 @@ def _capture(model: nn.Module, names, x: torch.Tensor):
     modules = dict(model.named_modules())
     for name in names:
         def hook(_, args, out, name=name):
-            # clones: in-place activations (ReLU(inplace=True)) overwrite outputs later
+            # clones: in-place activations (ReLU(inplace=True)) overwrite outputs later; an LSTM's is a tuple
+            out = out[0] if isinstance(out, tuple) else out
             inputs[name], outputs[name] = args[0].detach().clone(), out.detach().clone()
         handles.append(modules[name].register_forward_hook(hook))
     with torch.no_grad():
@@ -235,6 +237,16 @@ TOKEN_MODELS = {
     'pvt_v2': ('pvt_v2_b0', dict(embed_dims=(8, 16, 24, 32), depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))),
     # its forward takes an optional mask: traced at the default (None), the plain forward
     'hiera': ('hiera_tiny_224', dict(img_size=64, embed_dim=16, num_heads=1, stages=(1, 1, 1, 1))),
+    # timm's no-trace attention modules, traced through at the input's shapes: padded windows (ws 3 of 16), and
+    # q plus the strided sub-sampling conv; ConViT's gated attention builds its positions from the token count
+    'twins': ('twins_svt_small', dict(img_size=64, embed_dims=(8, 16, 24, 32), num_heads=(1, 1, 1, 1),
+                                      depths=(2, 1, 1, 1), wss=(3, 2, 2, 2), sr_ratios=(2, 2, 1, 1),
+                                      mlp_ratios=(2, 2, 2, 2))),
+    'convit': ('convit_tiny', dict(img_size=32, patch_size=8, embed_dim=16, num_heads=4, depth=2,
+                                   local_up_to_layer=1)),
+    # norm -> the vertical and horizontal bidirectional LSTMs
+    'sequencer': ('sequencer2d_s', dict(img_size=28, layers=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16),
+                                        hidden_sizes=(4, 8, 8, 8))),
 }
 
 
@@ -251,13 +263,21 @@ def _update_factors_are_constant(model: nn.Module, x: torch.Tensor) -> None:
     for b in slots:
         for path in filter(None, (b.producer, *b.consumers)):
             layer, layer_in = modules[path], inputs[path]
-            expected = torch.full((layer.weight.shape[0],), float(layer.divergence_constant), dtype=torch.float64)
+            if isinstance(layer, AffineDivLSTM):  # its first layer's input map, both directions
+                params = [getattr(layer, n) for n in layer._flat_weights_names
+                          if n.startswith(('weight_ih_l0', 'bias_ih_l0'))]
+                def out_fn(layer=layer, layer_in=layer_in):
+                    return layer.input_map(layer_in)
+            else:
+                params = [layer.weight, layer.bias]
+                def out_fn(layer=layer, layer_in=layer_in):
+                    return layer(layer_in)
+            expected = torch.full(out_fn().shape[-1:] if not isinstance(layer, nn.Conv2d) else (layer.out_channels,),
+                                  float(layer.divergence_constant), dtype=torch.float64)
             if path == b.producer:
                 expected = expected * modules[b.slot].weight.detach() ** 2
-            def out_fn(layer=layer, layer_in=layer_in):
-                return layer(layer_in)
             for index in _indices(out_fn(), 1 if isinstance(layer, nn.Conv2d) else -1):
-                factor = update_factor(out_fn, [layer.weight, layer.bias], index)
+                factor = update_factor(out_fn, params, index)
                 torch.testing.assert_close(factor, expected, rtol=1e-6, atol=1e-9, msg=f'{b.slot} via {path}')
 
 
@@ -296,8 +316,8 @@ def test_mixer_token_mixing_norms_stay_standalone_with_their_reason():
     """Mixer's norms before token mixing feed a Linear across tokens, not across their channels: standalone."""
     from timm.models.mlp_mixer import MlpMixer
     model = MlpMixer(num_blocks=2, embed_dim=16, img_size=64, patch_size=16, norm_layer=PatchNorm2d)
-    (binding, *_) = bind_patchnorm(model)  # built outside create_model, so the model's input size is timm's default
-    assert 'fake-tensor forward stopped at input size (3, 224, 224)' in binding.note
+    _, after_stop, *_ = bind_patchnorm(model)  # built outside create_model, so the model's input size is timm's default
+    assert 'fake-tensor forward stopped at input size (3, 224, 224): AssertionError: Input height' in after_stop.note
     model.pretrained_cfg = dict(input_size=(3, 64, 64))
     bind_patchnorm(model)
     slots = {b.slot: b for b in describe_slots(model)}

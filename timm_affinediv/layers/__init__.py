@@ -2,6 +2,7 @@
 from .affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant, patch_sq_norm
 from .binding import bind_patchnorm, describe_kernel_paths, describe_slots, divergence_corrected, layer_kernel_paths
 from .norm import L2Norm, L2Norm2d, L2NormLinear, l2_normalise
+from .recurrent import AffineDivLSTM
 from .register import register
 from .slot import (
     AffineDivNorm,
@@ -15,7 +16,7 @@ from .slot import (
 )
 
 __all__ = [
-    'AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'bind_patchnorm',
+    'AffineDivLinear', 'AffineDivLSTM', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'bind_patchnorm',
     'describe_kernel_paths', 'describe_slots', 'divergence_corrected', 'layer_kernel_paths', 'L2Norm', 'L2Norm2d',
     'L2NormLinear', 'l2_normalise', 'register', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
     'NormMismatchError', 'PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'SlotBinding',

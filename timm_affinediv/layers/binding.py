@@ -1,7 +1,7 @@
 """ Binding `patchnorm` slots to the affine maps beside them, from the traced data flow
 
-`bind_patchnorm(model)` traces the model with `torch.fx` (timm's leaf modules and wrapped
-functions respected), and for every `patchnorm` slot follows the data flow, through layout-only
+`bind_patchnorm(model)` traces the model with `torch.fx`, with each node's value at the model's
+input size on fake tensors (`tracing.py`), and for every `patchnorm` slot follows the data flow, through layout-only
 operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
 
 - its producer: the `nn.Conv2d`/`nn.Linear` whose output reaches only this slot. It becomes
@@ -9,7 +9,8 @@ operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
   none, so its divergence factor is exactly `c`, and it applies the slot's per-channel affine
   in the same pass as its division (the slot then passes its input through);
 - its consumers: the `nn.Conv2d`/`nn.Linear` that the slot's output reaches alone (ConvNeXt's
-  `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`), made divergence corrected too.
+  `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`, a ViT's `norm -> qkv`), and the `nn.LSTM`s
+  (Sequencer's), made divergence corrected too (`AffineDivLSTM` corrects an LSTM's input map).
 
 Modules are replaced in place at the same attribute, so parameter names stay those of the
 original model (`layer1.0.conv1.weight`) and a checkpoint's weights load 1:1. A slot with
@@ -28,7 +29,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from timm.layers import get_notrace_functions, get_notrace_modules
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .._timm_compat import get_model_input_config
@@ -37,7 +37,9 @@ from .affine_div import AffineDivLinear, PatchNormConv2d
 from .kernels import kernel_path
 from .layout import channel_axis_after, is_metadata_use, value_shape
 from .norm import L2NormLinear
+from .recurrent import AffineDivLSTM
 from .slot import PatchNormSlot, SlotBinding
+from .tracing import trace_values
 
 __all__ = ['bind_patchnorm', 'describe_kernel_paths', 'describe_slots', 'divergence_corrected', 'fake_eval',
            'layer_kernel_paths', 'SlotLayoutError']
@@ -45,17 +47,8 @@ __all__ = ['bind_patchnorm', 'describe_kernel_paths', 'describe_slots', 'diverge
 _logger = logging.getLogger(__name__)
 
 _AFFINE_TYPES = (nn.Conv2d, nn.Linear)
-
-
-class _BindingTracer(fx.Tracer):
-    """Traces down to affine layers and slots; timm's own no-trace modules stay leaves too."""
-
-    def __init__(self):
-        super().__init__(autowrap_functions=tuple(get_notrace_functions()))
-        self._leaf_types = tuple(get_notrace_modules()) + _AFFINE_TYPES + (PatchNormSlot,)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, self._leaf_types) or super().is_leaf_module(m, module_qualified_name)
+_CONSUMER_TYPES = (nn.LSTM,)  # corrected where a slot feeds them, never producers (their output is a tuple)
+_CORRECTED_TYPES = (PatchNormConv2d, AffineDivLinear, AffineDivLSTM)
 
 
 def _default_forward_args(model: nn.Module) -> Dict[str, Any]:
@@ -67,26 +60,32 @@ def _default_forward_args(model: nn.Module) -> Dict[str, Any]:
 
 
 def divergence_corrected(module: nn.Module, scale: str = 'rms', add_bias: bool = False) -> nn.Module:
-    """ The divergence-corrected form of an `nn.Conv2d`/`nn.Linear`, sharing its parameters.
+    """ The divergence-corrected form of an `nn.Conv2d`/`nn.Linear`/`nn.LSTM`, sharing its parameters.
 
     `add_bias` gives a convolution without a bias a zero pre-division one. Layers already corrected
     are returned as they are.
     """
-    if isinstance(module, (PatchNormConv2d, AffineDivLinear)):
+    if isinstance(module, _CORRECTED_TYPES):
         return module
     if type(module) is nn.Conv2d:
         return PatchNormConv2d.from_conv(module, scale=scale, bias=add_bias or None)
     if type(module) is nn.Linear:
         return AffineDivLinear.from_linear(module, scale=scale)
+    if type(module) is nn.LSTM:
+        return AffineDivLSTM.from_lstm(module, scale=scale)
     raise TypeError(f"no divergence-corrected form of {type(module).__name__}; "
-                    "only nn.Conv2d and nn.Linear (exact types) can be converted")
+                    "only nn.Conv2d, nn.Linear and nn.LSTM (exact types) can be converted")
 
 
-def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int]) -> bool:
+def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int],
+                           consumer: bool = False) -> bool:
+    """A Conv2d/Linear called once (as a consumer, an LSTM too: its first layer's input map), or its corrected form."""
     if node.op != 'call_module' or calls[node.target] != 1:
         return False
     module = modules[node.target]
-    return type(module) in _AFFINE_TYPES or isinstance(module, (PatchNormConv2d, AffineDivLinear))
+    types = _AFFINE_TYPES + _CONSUMER_TYPES if consumer else _AFFINE_TYPES
+    corrected = _CORRECTED_TYPES if consumer else (PatchNormConv2d, AffineDivLinear)
+    return type(module) in types or isinstance(module, corrected)
 
 
 def _data_users(node: fx.Node) -> List[fx.Node]:
@@ -94,7 +93,7 @@ def _data_users(node: fx.Node) -> List[fx.Node]:
 
 
 def _acts_on_channels(module: nn.Module, axis: int, ndim: int) -> bool:
-    """A Linear maps the last axis; a convolution dim 1 of (N, C, H, W)."""
+    """A Linear (an LSTM) maps the last axis; a convolution dim 1 of (N, C, H, W)."""
     return axis == 1 and ndim == 4 if isinstance(module, nn.Conv2d) else axis == ndim - 1
 
 
@@ -169,7 +168,7 @@ class _SlotGraph:
         while frontier:
             node, node_axis = frontier.pop()
             for user in _data_users(node):
-                if _is_replaceable_affine(user, self.modules, self.calls) and user.args[0] is node:
+                if _is_replaceable_affine(user, self.modules, self.calls, consumer=True) and user.args[0] is node:
                     module = self.modules[user.target]
                     if not _acts_on_channels(module, node_axis, _ndim(self.values.get(node))):
                         return (), f'feeds {user.target} ({type(module).__name__} over an axis other than its channels)'
@@ -186,20 +185,6 @@ class _SlotGraph:
         if not found:
             return (), 'its output is unused'
         return tuple(dict.fromkeys(found)), ''
-
-
-class _ShapeInterpreter(fx.Interpreter):
-    """Runs a traced model keeping every node's output; the slots pass their input through (their layout is
-    what is being found out, so none may refuse it)."""
-
-    def __init__(self, module: fx.GraphModule, slots: Dict[str, PatchNormSlot]):
-        super().__init__(module, garbage_collect_values=False)
-        self.slots = slots
-
-    def call_module(self, target, args, kwargs):
-        if target in self.slots:
-            return args[0]
-        return super().call_module(target, args, kwargs)
 
 
 @contextmanager
@@ -231,24 +216,6 @@ def fake_eval(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, training in modes.items():
             m.training = training
-
-
-def _traced_values(model: nn.Module, graph: fx.Graph,
-                   slots: Dict[str, PatchNormSlot]) -> Tuple[Dict[fx.Node, Any], str]:
-    """ Every node's output in a forward of a batch of 2 at the model's input size, on fake tensors (shapes only,
-    no arithmetic, nothing stored). A model that does not run on fake tensors gives what was computed before it
-    stopped, and why it stopped; the nodes after it have no shape, and no slot binds through them.
-    """
-    interpreter = _ShapeInterpreter(fx.GraphModule(model, graph), slots)
-    input_size = get_model_input_config(model)['input_size']
-    stopped = ''
-    try:
-        with fake_eval(model):
-            interpreter.run(torch.empty(2, *input_size))
-    except Exception as e:  # an input size or an op fake tensors do not support
-        stopped = f'at input size {tuple(input_size)}: {type(e).__name__}: {str(e).strip()[:120]}'
-        _logger.debug(f'shape pass of the patchnorm slots stopped {stopped}')
-    return dict(interpreter.env), stopped
 
 
 def _channel_axes(name: str, slot: PatchNormSlot, shape: Optional[Tuple[int, ...]], model: nn.Module) -> List[int]:
@@ -318,16 +285,19 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     if not slots:
         return []
     separate_qkv_biases(model)
+    input_size = tuple(get_model_input_config(model)['input_size'])
     try:
         with _keeping_module_state(model):
-            graph = _BindingTracer().trace(model, concrete_args=_default_forward_args(model))
+            traced = trace_values(model, (2, *input_size), concrete_args=_default_forward_args(model))
     except Exception as e:
         raise RuntimeError(
             f"cannot bind the patchnorm slots of {type(model).__name__}: torch.fx could not trace it "
             f"({type(e).__name__}: {e}). Use a traceable model, or a norm layer other than 'patchnorm'."
         ) from e
-    modules = dict(model.named_modules())
-    flow = _SlotGraph(graph, modules, *_traced_values(model, graph, slots))
+    if traced.stopped:
+        _logger.debug(f'shape pass of the patchnorm slots stopped at input size {input_size}: {traced.stopped}')
+    graph, modules = traced.graph, dict(model.named_modules())
+    flow = _SlotGraph(graph, modules, traced.values, f'at input size {input_size}: {traced.stopped}')
     bindings = {
         node.target: _bind_slot(node.target, node, slots[node.target], flow, model)
         for node in graph.nodes if node.op == 'call_module' and node.target in slots}
