@@ -421,3 +421,13 @@ def test_half_precision_model_converts_in_its_dtype(data):
     # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],
                                rtol=0.05, atol=0.01)
+
+
+def test_slots_that_keep_normalising_are_not_converted():
+    """CrossViT's projection norms feed a GELU, so their slots keep normalising: no calibrated map stands in for the
+    LayerNorm there, and the conversion names them instead of fitting a different function."""
+    model = timm.create_model('crossvit_tiny_240', num_classes=3, img_size=48, img_scale=(1.0, 1.0),
+                              patch_size=[12, 16], embed_dim=[16, 32], depth=[[1, 1, 0]], num_heads=[2, 2],
+                              mlp_ratio=[2, 2, 1])
+    with pytest.raises(ConversionError, match=r'blocks\.0\.projs\.0\.0: the slot normalises its input'):
+        convert_model(model)

@@ -7,8 +7,8 @@ from timm.layers import create_norm_act_layer, create_norm_layer, get_norm_layer
 
 import timm_affinediv
 from timm_affinediv import (
-    AffineDivLSTM,
     AffineDivLinear,
+    AffineDivLSTM,
     PatchNorm,
     PatchNorm2d,
     PatchNormAct2d,
@@ -244,6 +244,12 @@ TOKEN_MODELS = {
                                       mlp_ratios=(2, 2, 2, 2))),
     'convit': ('convit_tiny', dict(img_size=32, patch_size=8, embed_dim=16, num_heads=4, depth=2,
                                    local_up_to_layer=1)),
+    # the legacy inner norm: its pixels' channel vectors merged into one vector for the outer Linear
+    'tnt': ('tnt_s_legacy_patch16_224', dict(img_size=32, embed_dim=16, inner_dim=8, depth=1, num_heads_outer=2,
+                                             num_heads_inner=2)),
+    # projections norm -> GELU -> Linear: the slot keeps normalising, the Linear is corrected
+    'crossvit': ('crossvit_tiny_240', dict(img_size=48, img_scale=(1.0, 1.0), patch_size=[12, 16], embed_dim=[16, 32],
+                                           depth=[[1, 1, 0]], num_heads=[2, 2], mlp_ratio=[2, 2, 1])),
     # norm -> the vertical and horizontal bidirectional LSTMs
     'sequencer': ('sequencer2d_s', dict(img_size=28, layers=(1, 1, 1, 1), embed_dims=(8, 16, 16, 16),
                                         hidden_sizes=(4, 8, 8, 8))),
@@ -252,13 +258,15 @@ TOKEN_MODELS = {
 
 def _update_factors_are_constant(model: nn.Module, x: torch.Tensor) -> None:
     """Every bound layer's update factor, measured at its own output (a producer's includes the slot's fused affine,
-    so its factor is `c` times the slot's gain squared), is its constant for two samples and positions."""
+    so its factor is `c` times the slot's gain squared, also where it is another slot's consumer), is its constant
+    for two samples and positions."""
     slots = describe_slots(model)
     modules = dict(model.named_modules())
     with torch.no_grad():
         for b in slots:
             modules[b.slot].weight.uniform_(0.5, 1.5)
     layers = [p for b in slots for p in filter(None, (b.producer, *b.consumers))]
+    produced_for = {b.producer: b.slot for b in slots if b.producer}
     inputs, _ = _capture(model, layers, x)
     for b in slots:
         for path in filter(None, (b.producer, *b.consumers)):
@@ -274,8 +282,8 @@ def _update_factors_are_constant(model: nn.Module, x: torch.Tensor) -> None:
                     return layer(layer_in)
             expected = torch.full(out_fn().shape[-1:] if not isinstance(layer, nn.Conv2d) else (layer.out_channels,),
                                   float(layer.divergence_constant), dtype=torch.float64)
-            if path == b.producer:
-                expected = expected * modules[b.slot].weight.detach() ** 2
+            if path in produced_for:  # a layer that feeds a slot applies that slot's gain after its division
+                expected = expected * modules[produced_for[path]].weight.detach() ** 2
             for index in _indices(out_fn(), 1 if isinstance(layer, nn.Conv2d) else -1):
                 factor = update_factor(out_fn, params, index)
                 torch.testing.assert_close(factor, expected, rtol=1e-6, atol=1e-9, msg=f'{b.slot} via {path}')
@@ -302,8 +310,11 @@ def test_token_and_channels_last_slots_bind_with_exact_factors(key):
         slot = modules[b.slot]
         if b.producer is None:
             shape = [-1] + [1] * (inputs[b.slot].dim() - 2) if slot.channel_dim == 1 else [-1]
-            torch.testing.assert_close(outputs[b.slot], inputs[b.slot] * slot.weight.view(shape) +
-                                       slot.bias.view(shape))
+            received = inputs[b.slot]
+            if b.normalises:  # its consumers follow an activation: RMS-normalised first
+                received = received / received.square().mean(slot.channel_dim, keepdim=True).add(slot.eps).sqrt()
+            torch.testing.assert_close(outputs[b.slot], received * slot.weight.view(shape) + slot.bias.view(shape))
+    assert (key == 'crossvit') == any(b.normalises for b in slots)
     _update_factors_are_constant(model, x)
     model.float().train()
     out = model(x.float())
@@ -347,3 +358,44 @@ def test_tensors_a_module_caches_in_the_shape_pass_are_not_left_fake():
     bind_patchnorm(model)
     assert model.positions is None
     assert model(torch.randn(1, 3, 8, 8)).shape == (1, 4, 8, 8)
+
+
+def test_no_trace_modules_are_traced_through_where_their_control_flow_reads_shapes_only():
+    """timm's no-trace modules holding affine maps are traced at the input's shapes (a slot then binds to the
+    Linear inside); one whose control flow reads tensor values stays a leaf, its state as it was, the slot
+    standalone with the reason."""
+    from timm.layers import register_notrace_module
+
+    @register_notrace_module
+    class ShapeBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[1] % 2:  # plain symbolic tracing cannot branch on a shape
+                x = x[:, :-1]
+            return self.fc(x)
+
+    @register_notrace_module
+    class ValueBranch(ShapeBranch):
+        def forward(self, x):
+            self.last = x  # a proxy in the trace, a fake tensor in the leaf's shape pass: neither may stay
+            return self.fc(x) if x.sum() > 0 else x
+
+    class Model(nn.Module):
+        pretrained_cfg = dict(input_size=(5, 4))
+
+        def __init__(self):
+            super().__init__()
+            self.norm_a, self.a, self.norm_b, self.b = PatchNorm(4), ShapeBranch(), PatchNorm(4), ValueBranch()
+
+        def forward(self, x):
+            return self.a(self.norm_a(x)) + self.b(self.norm_b(x))[:, :4]
+
+    model = Model()
+    a, b = bind_patchnorm(model)
+    assert a.consumers == ('a.fc',) and isinstance(model.a.fc, AffineDivLinear)
+    assert not b.bound and 'feeds b (ValueBranch)' in b.note and type(model.b.fc) is nn.Linear
+    assert 'last' not in vars(model.b)
+    assert model(torch.randn(2, 5, 4)).shape == (2, 4, 4)

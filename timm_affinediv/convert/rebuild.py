@@ -63,8 +63,8 @@ def check_norms(model: nn.Module, converted: nn.Module) -> Dict[str, nn.Module]:
         norm = original.get(name)
         if not isinstance(norm, _BATCHNORMS + _LAYERNORMS):
             problems.append(f'{name}: the original has {type(norm).__name__}, not a BatchNorm/LayerNorm')
-        elif not slot.bound:
-            problems.append(f'{name}: the slot is standalone ({slot.binding.note})')
+        elif slot.normalises:
+            problems.append(f'{name}: the slot normalises its input ({slot.binding.note or "standalone"})')
     left = [n for n, m in model.named_modules() if isinstance(m, _BATCHNORMS + _LAYERNORMS) and n not in slots]
     problems += [f'{n}: {type(original[n]).__name__} has no patchnorm slot in the rebuilt model' for n in left]
     if problems:

@@ -10,7 +10,9 @@ operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
   in the same pass as its division (the slot then passes its input through);
 - its consumers: the `nn.Conv2d`/`nn.Linear` that the slot's output reaches alone (ConvNeXt's
   `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`, a ViT's `norm -> qkv`), and the `nn.LSTM`s
-  (Sequencer's), made divergence corrected too (`AffineDivLSTM` corrects an LSTM's input map).
+  (Sequencer's), made divergence corrected too (`AffineDivLSTM` corrects an LSTM's input map). A slot that
+  reaches Linears only through an elementwise activation (CrossViT's `norm -> GELU -> Linear`) binds to them
+  and keeps normalising the activation's input.
 
 Modules are replaced in place at the same attribute, so parameter names stay those of the
 original model (`layer1.0.conv1.weight`) and a checkpoint's weights load 1:1. A slot with
@@ -49,6 +51,8 @@ _logger = logging.getLogger(__name__)
 _AFFINE_TYPES = (nn.Conv2d, nn.Linear)
 _CONSUMER_TYPES = (nn.LSTM,)  # corrected where a slot feeds them, never producers (their output is a tuple)
 _CORRECTED_TYPES = (PatchNormConv2d, AffineDivLinear, AffineDivLSTM)
+_ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.ReLU6, nn.SiLU, nn.Hardswish, nn.Mish, nn.LeakyReLU, nn.ELU,
+                            nn.Tanh, nn.Sigmoid, nn.Hardsigmoid)
 
 
 def _default_forward_args(model: nn.Module) -> Dict[str, Any]:
@@ -159,9 +163,11 @@ class _SlotGraph:
             return None, f'fed by {node.target}, whose output channels reach its axis {moved}, not {axis}'
         return node.target, ''
 
-    def consumers(self, slot_node: fx.Node, axis: int) -> Tuple[Tuple[str, ...], str]:
+    def consumers(self, slot_node: fx.Node, axis: int,
+                  through_activations: bool = False) -> Tuple[Tuple[str, ...], str]:
         """ The Conv2d/Linear maps every use of the slot's output reaches, each acting on the slot's channel
-        vectors, through the operations that move, select or pad them; none where any use ends elsewhere."""
+        vectors, through the operations that move, select or pad them (and, with `through_activations`, elementwise
+        activation modules); none where any use ends elsewhere."""
         found: List[str] = []
         seen = {slot_node: axis}
         frontier = [(slot_node, axis)]
@@ -174,7 +180,11 @@ class _SlotGraph:
                         return (), f'feeds {user.target} ({type(module).__name__} over an axis other than its channels)'
                     found.append(user.target)
                     continue
-                moved, why = channel_axis_after(user, node, node_axis, self.values, self.modules, spreads=True)
+                if through_activations and user.op == 'call_module' and \
+                        isinstance(self.modules[user.target], _ELEMENTWISE_ACTIVATIONS):
+                    moved, why = node_axis, ''
+                else:
+                    moved, why = channel_axis_after(user, node, node_axis, self.values, self.modules, spreads=True)
                 if moved is None:
                     return (), f'feeds {user.name} ({why})'
                 if user not in seen:
@@ -265,10 +275,16 @@ def _bind_slot(name: str, node: fx.Node, slot: PatchNormSlot, flow: _SlotGraph, 
     for axis in axes:
         producer, producer_note = flow.producer(node, axis)
         consumers, consumer_note = flow.consumers(node, axis)
+        normalises = False
+        if producer is None and not consumers:  # its consumers may follow an activation: it normalises for that
+            consumers, _ = flow.consumers(node, axis, through_activations=True)
+            normalises = bool(consumers)
         note = '' if producer or consumers else f'{producer_note}; {consumer_note}'
+        if normalises:
+            note = 'normalises (RMS): its consumers follow an activation'
         upstream = len(axes) > 1 and flow.upstream_axes.get(node.args[0]) == axis
         rank = (upstream, (producer is not None) + len(consumers), axis == slot.channel_dim % len(shape))
-        options.append((rank, axis, SlotBinding(name, producer, consumers, note)))
+        options.append((rank, axis, SlotBinding(name, producer, consumers, note, normalises)))
     _, axis, binding = max(options, key=lambda option: option[0])
     if len(shape) > 2:
         slot.channel_dim = 1 if axis == 1 else -1

@@ -10,9 +10,10 @@ operation and the shapes recorded on fake tensors, or why it does not survive th
 Two kinds of operation carry the axis:
 - moves (permute, transpose, reshapes that keep the channel block whole, `roll`, slicing other axes, Identity,
   Dropout(p=0)): they commute with a per-channel affine, so a producer may apply the slot's affine before them;
-- spreads (padding, `cat`/`split` along other axes, Dropout, average pooling over positions): the Linear after
-  them still acts on channel vectors built from the slot's output alone, but the slot must apply its own affine
-  first, so they are followed from a slot to its consumers only.
+- spreads (padding, `cat`/`split` along other axes, Dropout, average pooling over positions, reshapes that merge
+  whole channel vectors into one longer last axis, as TNT's pixels into its patch vector): the Linear after them
+  still acts on vectors built from the slot's channel vectors alone, but the slot must apply its own affine first,
+  so they are followed from a slot to its consumers only.
 """
 import builtins
 import math
@@ -23,7 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ['channel_axis_after', 'is_metadata_use', 'reshaped_axis', 'value_shape']
+__all__ = ['channel_axis_after', 'is_metadata_use', 'merged_axis', 'reshaped_axis', 'value_shape']
 
 # reshapes timm registers as leaf functions: window_reverse keeps the channels last in (N, H, W, C) windows
 _RESHAPES = {'reshape', 'view', 'flatten', 'unflatten', 'squeeze', 'unsqueeze', 'window_reverse', 'window_partition'}
@@ -80,6 +81,17 @@ def reshaped_axis(in_shape: Sequence[int], out_shape: Sequence[int], axis: int) 
     return None
 
 
+def merged_axis(in_shape: Sequence[int], out_shape: Sequence[int], axis: int) -> Optional[int]:
+    """ The last axis of a row-major reshape's output where it holds whole blocks of the input's trailing axes
+    `j..` (`1 <= j <= axis`: each sample's vectors kept apart), so every output vector is made of whole channel
+    vectors (TNT's `(B * N, pixels, C) -> (B, N, pixels * C)`); None otherwise.
+    """
+    for j in range(1, axis + 1):
+        if out_shape[-1] == math.prod(in_shape[j:]) and math.prod(out_shape[:-1]) == math.prod(in_shape[:j]):
+            return len(out_shape) - 1
+    return None
+
+
 def _indexed_axis(index: Any, ndim: int, axis: int) -> Outcome:
     """Where `x[index]` puts axis `axis` of `x` (basic indexing), if it keeps it whole."""
     entries = index if isinstance(index, tuple) else (index,)
@@ -119,6 +131,13 @@ def _reduced_axis(node: fx.Node, ndim: int, axis: int) -> Outcome:
     return (axis if keepdim else axis - sum(d < axis for d in dims)), ''
 
 
+def _reshaped_or_merged(in_shape: Sequence[int], out_shape: Sequence[int], axis: int, spreads: bool) -> Optional[int]:
+    moved = reshaped_axis(in_shape, out_shape, axis)
+    if moved is None and spreads:
+        moved = merged_axis(in_shape, out_shape, axis)
+    return moved
+
+
 def channel_axis_after(node: fx.Node, source: fx.Node, axis: int, values: Dict[fx.Node, Any],
                        modules: Dict[str, nn.Module], spreads: bool) -> Outcome:
     """ The axis of `node`'s output holding the channels that axis `axis` of its input `source` holds.
@@ -142,7 +161,7 @@ def channel_axis_after(node: fx.Node, source: fx.Node, axis: int, values: Dict[f
         if isinstance(module, nn.Identity) or isinstance(module, nn.Dropout) and (spreads or module.p == 0):
             return axis, ''
         if isinstance(module, nn.Flatten) and out_shape is not None:
-            moved = reshaped_axis(in_shape, out_shape, axis)
+            moved = _reshaped_or_merged(in_shape, out_shape, axis, spreads)
             return (moved, '') if moved is not None else (None, 'flattens the channels with other axes')
         if spreads and isinstance(module, (nn.AvgPool2d, nn.AdaptiveAvgPool2d)) and axis == 1 and len(in_shape) == 4:
             return axis, ''
@@ -160,7 +179,7 @@ def channel_axis_after(node: fx.Node, source: fx.Node, axis: int, values: Dict[f
         a, b = _dims((node.args[1], node.args[2]), ndim)
         return (b if axis == a else a if axis == b else axis), ''
     if name in _RESHAPES:
-        moved = reshaped_axis(in_shape, out_shape, axis) if out_shape is not None else None
+        moved = _reshaped_or_merged(in_shape, out_shape, axis, spreads) if out_shape is not None else None
         return (moved, '') if moved is not None else (None, f'{name} splits or merges the channel axis')
     if name == 'roll':
         dims = _arg(node, 2, 'dims')

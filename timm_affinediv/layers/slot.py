@@ -59,11 +59,14 @@ class SlotBinding:
 
     `producer` is the convolution/linear feeding the slot, `consumers` those it feeds; both
     were made divergence corrected. A slot with neither is standalone, and `note` says why.
+    `normalises`: the slot reaches its consumers only through an elementwise activation (CrossViT's
+    `norm -> GELU -> Linear`), so it keeps normalising the activation's input, as a standalone slot does.
     """
     slot: str
     producer: Optional[str] = None
     consumers: Tuple[str, ...] = ()
     note: str = ''
+    normalises: bool = False
 
     @property
     def bound(self) -> bool:
@@ -91,6 +94,7 @@ class PatchNormSlot(nn.Module):
         self.binding: Optional[SlotBinding] = None
         # plain bools, so torch.compile guards on them cheaply
         self.bound = False
+        self.normalises = True
         self.fused = False
         # set by the producer's `fuse_post_affine`: whether its Triton path applies this slot's activation
         self.activation_in_producer = False
@@ -100,6 +104,7 @@ class PatchNormSlot(nn.Module):
         """Record the binding; `fused`: the producer applies this slot's affine (`fuse_post_affine`)."""
         self.binding = binding
         self.bound = binding.bound or self.corrects_all_affine
+        self.normalises = not self.bound or binding.normalises and not self.corrects_all_affine
         self.fused = fused
 
     @torch.jit.unused
@@ -122,13 +127,13 @@ class PatchNormSlot(nn.Module):
                 f"got shape {list(x.shape)}")
         if self.fused:  # the producer applied this affine, in the pass that divided by s
             return x
-        if not self.bound:
+        if self.normalises:
             x = l2_normalise(x, self.channel_dim, 'rms', self.eps)
         return channel_affine(x, self.weight, self.bias, self.channel_dim)
 
     def extra_repr(self) -> str:
         state = 'standalone' if self.binding is not None and not self.bound else (
-            'bound' if self.bound else 'unbound')
+            ('bound, normalising' if self.normalises else 'bound') if self.bound else 'unbound')
         return f'{self.num_features}, scale={self.scale}, {state}'
 
 

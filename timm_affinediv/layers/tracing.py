@@ -67,22 +67,8 @@ def _values(args: Any) -> Any:
             unknown.append(a)
         return value
 
-    values = _map_proxies(args, unwrap)
+    values = fx.node.map_aggregate(args, unwrap)
     return _UNKNOWN if unknown else values
-
-
-def _map_proxies(args: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(args, fx.Proxy):
-        return fn(args)
-    if isinstance(args, tuple) and hasattr(args, '_fields'):  # a named tuple
-        return type(args)(*(_map_proxies(a, fn) for a in args))
-    if isinstance(args, (tuple, list)):
-        return type(args)(_map_proxies(a, fn) for a in args)
-    if isinstance(args, dict):
-        return {k: _map_proxies(v, fn) for k, v in args.items()}
-    if isinstance(args, slice):
-        return slice(_map_proxies(args.start, fn), _map_proxies(args.stop, fn), _map_proxies(args.step, fn))
-    return args
 
 
 def _known_scalar(proxy: fx.Proxy) -> Any:
