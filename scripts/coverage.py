@@ -31,7 +31,7 @@ import torch.nn as nn
 from timm.models import model_entrypoint
 
 import timm_affinediv
-from timm_affinediv import AffineDivLinear, PatchNorm2d, PatchNormConv2d, describe_slots, update_factor
+from timm_affinediv import AffineDivLinear, AffineDivLSTM, PatchNorm2d, PatchNormConv2d, describe_slots, update_factor
 from timm_affinediv._timm_compat import get_model_input_config
 from timm_affinediv.cli import run_main
 from timm_affinediv.commands import command_parser
@@ -169,28 +169,34 @@ def check_factors(model: nn.Module, x: torch.Tensor, max_layers: int) -> float:
     worst = 0.0
     for _, path in pairs:
         layer, layer_in = copy.deepcopy(modules[path]).double(), inputs[path].double()
-        out = layer(layer_in)
+        if isinstance(layer, AffineDivLSTM):  # the corrected map is its first layer's input map
+            params = [p for pair in layer.first_layer_maps() for p in pair]
+            forward = lambda: layer.input_map(layer_in)  # noqa: E731
+        else:
+            params = [layer.weight, layer.bias]
+            forward = lambda: layer(layer_in)  # noqa: E731
+        out = forward()
         index = [0] * out.dim()
         index[1 if isinstance(layer, nn.Conv2d) else -1] = slice(None)
-        expected = torch.full((layer.weight.shape[0],), float(layer.divergence_constant), dtype=torch.float64)
-        if layer.bias is None:  # c |P|^2 / (|P|^2 + eps) = c - eps / s^2: 0 where a patch is all zero (after a ReLU)
-            expected = expected - layer.eps * _inv_scale_at(layer, layer_in, index) ** 2
-        if layer.fused_slot is not None:  # random gains: zero-initialised last norms would make the factor 0
+        expected = torch.full(out[tuple(index)].shape, float(layer.divergence_constant), dtype=torch.float64)
+        if params[1] is None:  # c |P|^2 / (|P|^2 + eps) = c - eps / s^2: 0 where a patch is all zero (after a ReLU)
+            expected = expected - layer.eps * _inv_scale_at(layer, layer_in, index, len(expected)) ** 2
+        if getattr(layer, 'fused_slot', None) is not None:  # random gains: zero-initialised last norms give 0
             gain = layer.fused_slot.weight
             with torch.no_grad():
                 gain.uniform_(0.5, 1.5)
             expected = expected * gain.detach() ** 2
-        factor = update_factor(lambda: layer(layer_in), [layer.weight, layer.bias], tuple(index))
+        factor = update_factor(forward, params, tuple(index))
         worst = max(worst, ((factor - expected).abs() / expected.abs().clamp_min(1e-12)).max().item())
     return worst
 
 
-def _inv_scale_at(layer: nn.Module, layer_in: torch.Tensor, index: list) -> torch.Tensor:
-    """`1 / s` of the patch (or row) each output channel of `layer` reads at the position `index` picks."""
+def _inv_scale_at(layer: nn.Module, layer_in: torch.Tensor, index: list, outputs: int) -> torch.Tensor:
+    """`1 / s` of the patch (or row) each of the `outputs` channels of `layer` reads at the position `index` picks."""
     if isinstance(layer, nn.Conv2d):
         inv_s = layer.inv_scale(layer_in, layer._reversed_padding_repeated_twice)[0, :, 0, 0]  # one per group
         return inv_s.repeat_interleave(layer.out_channels // layer.groups)
-    return layer.inv_scale(layer_in)[tuple(index[:-1])].expand(layer.out_features)
+    return layer.inv_scale(layer_in)[tuple(index[:-1])].expand(outputs)
 
 
 def train_step(model: nn.Module, sizes: List[tuple]) -> tuple:
@@ -231,7 +237,8 @@ def cover(family: str, name: str, params: float, forward: bool, max_layers: int,
         bindings = describe_slots(model)
         row.slots, row.bound = len(bindings), sum(b.bound for b in bindings)
         row.standalone = [f'{b.slot}: {b.note}' for b in bindings if not b.bound]
-        row.corrected_layers = sum(isinstance(m, (PatchNormConv2d, AffineDivLinear)) for m in model.modules())
+        row.corrected_layers = sum(isinstance(m, (PatchNormConv2d, AffineDivLinear, AffineDivLSTM))
+                                   for m in model.modules())
         if not slots:
             row.status, row.reason = 'refused', 'the constructor takes norm_layer but builds no norm from it'
             return row

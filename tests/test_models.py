@@ -272,8 +272,7 @@ def _update_factors_are_constant(model: nn.Module, x: torch.Tensor) -> None:
         for path in filter(None, (b.producer, *b.consumers)):
             layer, layer_in = modules[path], inputs[path]
             if isinstance(layer, AffineDivLSTM):  # its first layer's input map, both directions
-                params = [getattr(layer, n) for n in layer._flat_weights_names
-                          if n.startswith(('weight_ih_l0', 'bias_ih_l0'))]
+                params = [p for pair in layer.first_layer_maps() for p in pair]
                 def out_fn(layer=layer, layer_in=layer_in):
                     return layer.input_map(layer_in)
             else:
@@ -327,8 +326,8 @@ def test_mixer_token_mixing_norms_stay_standalone_with_their_reason():
     """Mixer's norms before token mixing feed a Linear across tokens, not across their channels: standalone."""
     from timm.models.mlp_mixer import MlpMixer
     model = MlpMixer(num_blocks=2, embed_dim=16, img_size=64, patch_size=16, norm_layer=PatchNorm2d)
-    _, after_stop, *_ = bind_patchnorm(model)  # built outside create_model, so the model's input size is timm's default
-    assert 'fake-tensor forward stopped at input size (3, 224, 224): AssertionError: Input height' in after_stop.note
+    (binding, *_) = bind_patchnorm(model)  # built outside create_model, so the model's input size is timm's default
+    assert 'fake-tensor forward stopped at input size (3, 224, 224): AssertionError: Input height' in binding.note
     model.pretrained_cfg = dict(input_size=(3, 64, 64))
     bind_patchnorm(model)
     slots = {b.slot: b for b in describe_slots(model)}

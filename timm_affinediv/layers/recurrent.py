@@ -47,7 +47,8 @@ class AffineDivLSTM(nn.LSTM):
         with torch.autocast(x.device.type, enabled=False):
             return _inverse_scale(sq_norm(x, -1), self.divergence_constant, _norm_offset(self.bias, self.eps))
 
-    def _first_layer_maps(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def first_layer_maps(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """`(weight_ih, bias_ih)` of layer 0 in each direction (bias None without biases): the corrected maps."""
         suffixes = ['', '_reverse'] if self.bidirectional else ['']
         return [(getattr(self, f'weight_ih_l0{s}'), getattr(self, f'bias_ih_l0{s}') if self.bias else None)
                 for s in suffixes]
@@ -55,7 +56,7 @@ class AffineDivLSTM(nn.LSTM):
     def input_map(self, x: torch.Tensor) -> torch.Tensor:
         """ Layer 0's corrected input map `(W_ih x + b_ih) / s(x)`, the directions concatenated: `(..., D * 4H)`."""
         inv_s = self.inv_scale(x).to(x.dtype)
-        return torch.cat([torch.nn.functional.linear(x, w, b) * inv_s for w, b in self._first_layer_maps()], -1)
+        return torch.cat([torch.nn.functional.linear(x, w, b) * inv_s for w, b in self.first_layer_maps()], -1)
 
     def forward(self, input: torch.Tensor, hx: Optional[State] = None) -> Tuple[torch.Tensor, State]:
         if isinstance(input, PackedSequence):
@@ -69,7 +70,7 @@ class AffineDivLSTM(nn.LSTM):
         inv_s = self.inv_scale(x)
         weights = [getattr(self, name) for name in self._flat_weights_names]
         per_direction = len(weights) // (self.num_layers * (2 if self.bidirectional else 1))
-        for d, (weight, bias) in enumerate(self._first_layer_maps()):
+        for d, (weight, bias) in enumerate(self.first_layer_maps()):
             augmented_x, weights[d * per_direction] = _augmented_input(x, inv_s, weight, bias, -1)
             if bias is not None:  # the bias is a column of the augmented weight, divided with the rest
                 weights[d * per_direction + 2] = torch.zeros_like(bias)

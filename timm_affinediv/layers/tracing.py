@@ -33,8 +33,8 @@ _UNKNOWN = object()
 
 
 class TracedModel:
-    """The traced graph, each node's value (fake tensors; absent where it could not be computed), and why the first
-    value that could not be computed failed ('' where all were)."""
+    """The traced graph, each node's value (fake tensors; absent from the first that could not be computed on), and
+    why that one failed ('' where none did)."""
 
     def __init__(self, graph: fx.Graph, values: Dict[fx.Node, Any], stopped: str):
         self.graph, self.values, self.stopped = graph, values, stopped
@@ -141,7 +141,7 @@ class _ValueTracer(fx.Tracer):
             return forward(*args, **kwargs)
         if not isinstance(m, self._notrace_types) or self.is_leaf_module(m, ''):
             return super().call_module(m, forward, args, kwargs)
-        last, stack, state = self.graph._root.prev, dict(self.module_stack), _module_state(m)
+        last, stack, state, stopped = self.graph._root.prev, dict(self.module_stack), _module_state(m), self.stopped
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:  # control flow on values, or an op the trace cannot take: the module stays a leaf
@@ -152,6 +152,7 @@ class _ValueTracer(fx.Tracer):
             self.module_stack.clear()
             self.module_stack.update(stack)
             _restore_module_state(state)
+            self.stopped = stopped
             self._opaque.add(m)
             return super().call_module(m, forward, args, kwargs)
 
@@ -182,12 +183,13 @@ class _ValueTracer(fx.Tracer):
         return proxy
 
     def _compute(self, kind: str, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if self.stopped:  # values after a failed one might rest on a check it skipped: none are computed
+            return _UNKNOWN
         self._computing = True
         try:
             return self._evaluate(kind, target, args, kwargs)
-        except Exception as e:  # an op fake tensors do not support: later nodes have no value
-            if not self.stopped:
-                self.stopped = f'{type(e).__name__}: {str(e).strip()[:120]}'
+        except Exception as e:  # an op fake tensors do not support, or a failed check: later nodes have no value
+            self.stopped = f'{type(e).__name__}: {str(e).strip()[:120]}'
             return _UNKNOWN
         finally:
             self._computing = False
