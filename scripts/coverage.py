@@ -353,7 +353,7 @@ def main(argv=None) -> int:
                         help='build and bind only (status "bound"): no training step, no factor measurement')
     parser.add_argument('--merge', nargs='+', metavar='JSON',
                         help='only write the table from earlier runs\' JSON files: a later file\'s row replaces an '
-                             'earlier one of the same family, unless it ran out of time')
+                             'earlier one of the same family (part 2: model), unless it ran out of time')
     parser.add_argument('--update', action='store_true',
                         help='replace the rows of the covered modules in an existing table, keep the others')
     args = parser.parse_args(argv)
@@ -363,8 +363,9 @@ def main(argv=None) -> int:
         merged = {}
         for path in args.merge:
             for r in json.loads(Path(path).read_text()):
-                if r['family'] not in merged or r['status'] != 'timeout':
-                    merged[r['family']] = Row(**r)
+                key = (r['family'], r['model'] if r['family'].endswith(' (all)') else '')  # part 2: a row per model
+                if key not in merged or r['status'] != 'timeout':
+                    merged[key] = Row(**r)
         write(sorted(merged.values(), key=lambda r: r.family), Path(args.output))
         return 0
     rows: List[Row] = []
