@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """ Conversion of a trained BatchNorm/LayerNorm model of any family to `patchnorm`, measured on Fashion-MNIST: top-1
-of the original and of the converted model (calibrated on `--calib-batches` batches of 64 training images, no
-fine-tuning) on the first `--test-images` test images, their top-1 agreement, and the conversion time.
+of the original and of the converted model (calibrated on `--calib-batches` batches of 64 training images, then,
+with `--reconstruct-steps`, its blocks reconstructed on them; no labels, no fine-tuning) on the first
+`--test-images` test images, their top-1 agreement, and the conversion time.
 
     python scripts/measure_family_conversion.py --model vit_tiny_patch16_224 --checkpoint run/model.safetensors \\
         --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument('--ridge', type=float, default=1e-2, help="convert_model's pull towards the analytic map")
     parser.add_argument('--positions-per-unknown', type=float, default=32.,
                         help="convert_model's sample budget per unknown of a fit (0: every position)")
+    parser.add_argument('--reconstruct-steps', type=int, default=0,
+                        help="convert_model's block-wise reconstruction: Adam steps per block (0: none)")
     args = parser.parse_args(argv)
     model = load_trained_model(args.model, checkpoint=args.checkpoint, num_classes=10, in_chans=1,
                                **args.model_kwargs)
@@ -48,7 +51,8 @@ def main(argv=None) -> int:
                                               subset=args.calib_batches * 64, workers=0)]
     start = time.perf_counter()
     converted, report = convert_model(model, calibration=calib, ridge=args.ridge,
-                                      positions_per_unknown=args.positions_per_unknown or None)
+                                      positions_per_unknown=args.positions_per_unknown or None,
+                                      reconstruct_steps=args.reconstruct_steps)
     seconds = time.perf_counter() - start
     original, targets = predictions(model, test)
     ours, _ = predictions(converted.eval(), test)

@@ -112,11 +112,27 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     assert report.layers and all(f.rel_err_after <= f.rel_err_before + 1e-6 for f in report.layers)
     if name == 'tinynet_e':
         assert all(f.target.endswith('.norm') for f in report.layers if 'bn' in f.target), report.layers[:3]
+        _check_reconstruction(model, x)
     else:
         assert _top1(calibrated, xt, yt) > original - 0.05 and report.top1_agreement_calibrated > 0.8
     rebuilt = timm.create_model(name, norm_layer='patchnorm', num_classes=10, in_chans=1, **NARROW[name])
     rebuilt.load_state_dict(calibrated.state_dict())
     torch.testing.assert_close(rebuilt.eval()(xt[:8]), calibrated(xt[:8]))
+
+
+def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
+    """Block-wise reconstruction after the fit: the stem, every block and the head, each brought closer to the
+    original's output on the calibration images, the original untouched, the same result from the same seed."""
+    calib = [x[i:i + 32] for i in range(0, 128, 32)]
+    before = copy.deepcopy(model.state_dict())
+    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, seed=3) for _ in range(2)]
+    (converted, report), (again, _) = runs
+    names = [b.block for b in report.blocks]
+    assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
+    assert sum(b.rel_err_after for b in report.blocks) < sum(b.rel_err_before for b in report.blocks), report.blocks
+    assert report.top1_agreement_reconstructed is not None and 'after reconstruction' in report.format_table()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
 
 
 def test_affinediv_mode_corrects_every_affine_map(data):

@@ -94,14 +94,15 @@ def convert_to_folder(
         workers: int = 0,
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
+        reconstruct_steps: int = 0,
         **model_kwargs: Any,
 ) -> Tuple[nn.Module, ConversionReport, Dict[str, Any]]:
     """ Convert `model` with `calib_images` (default `calib_batches * batch_size`) images of `dataset`'s training
     split, read with the model's own eval transforms (`resolve_data_config` of its `pretrained_cfg` for an image
     folder), evaluate the original and the converted model on its validation split (`eval_images=0`: skipped),
     and write the Hub folder `output` (weights, config, card, `conversion_report.json`). `base_model` is the Hub
-    id of `model` when it has one, `base_model_description` says where it came from otherwise. Returns the
-    converted model, the report and the metrics.
+    id of `model` when it has one, `base_model_description` says where it came from otherwise;
+    `reconstruct_steps` is `convert_model`'s. Returns the converted model, the report and the metrics.
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
@@ -119,7 +120,7 @@ def convert_to_folder(
                                     subset=calib_images, workers=workers)
         calibration = [images for images, _ in loader]
     converted, report = convert_model(model, norm, calibration, progress=progress, device=device,
-                                      calib_memory=calib_memory, **model_kwargs)
+                                      calib_memory=calib_memory, reconstruct_steps=reconstruct_steps, **model_kwargs)
     # the preprocessing the weights expect, for timm's resolve_data_config on the published model
     converted.pretrained_cfg = dict(converted.pretrained_cfg, **data_config, num_classes=converted.num_classes)
     metrics: Dict[str, Any] = dict(conversion_seconds=report.seconds, data_config=data_config)
@@ -130,7 +131,9 @@ def convert_to_folder(
     recipe = (f'Converted from `{base_model or report.architecture}` ({report.architecture}, BatchNorm/LayerNorm) '
               f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, each divergence-corrected '
               f'layer fitted by ridge least squares to the original\'s outputs on {report.calibration_images} '
-              f'{dataset or data_dir} training images ({report.calibration_batches} batches), in forward order. ')
+              f'{dataset or data_dir} training images ({report.calibration_batches} batches), in forward order'
+              + (f', then each block reconstructed ({reconstruct_steps} Adam steps per block on '
+                 'the same images, no labels). ' if report.blocks else '. '))
     if evaluated:
         recipe += (f'Top-1 before conversion {metrics["original"]["top1"]:.2f}%, '
                    f'after {metrics["converted"]["top1"]:.2f}% (no fine-tuning).')

@@ -18,6 +18,7 @@ from ..layers.slot import PatchNormSlot
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
 from .rebuild import architecture, build_converted, carry_weights, check_norms, model_in_chans
+from .reconstruct import BlockFit, reconstruct_blocks
 from .solver import NormalEquations
 
 __all__ = ['convert_model', 'ConversionReport', 'LayerFit', 'CalibrationOptions', 'positions_per_batch_for']
@@ -38,8 +39,11 @@ class CalibrationOptions:
             (None: all; 0: not measured).
         calib_memory: bytes of activations kept between two steps of the calibration walk; beyond, they spill to disk.
         cache_dtype: the dtype those activations are kept in (None: as computed).
+        reconstruct_steps: Adam steps per block of the block-wise reconstruction after the fit (`reconstruct.py`;
+            0: none).
+        reconstruct_lr: its learning rate.
         progress: show a progress bar.
-        seed: seed of the positions' draw.
+        seed: seed of the positions' draw and of the reconstruction's batch order.
     """
     ridge: float = 1e-2
     positions_per_batch: int = 2048
@@ -47,6 +51,8 @@ class CalibrationOptions:
     analytic_batches: Optional[int] = 1
     calib_memory: int = 4 << 30
     cache_dtype: Optional[torch.dtype] = None
+    reconstruct_steps: int = 0
+    reconstruct_lr: float = 3e-3
     progress: bool = False
     seed: int = 0
 
@@ -73,7 +79,9 @@ class ConversionReport:
     top1_agreement_analytic: Optional[float] = None
     analytic_images: int = 0
     top1_agreement_calibrated: Optional[float] = None
+    top1_agreement_reconstructed: Optional[float] = None
     layers: List[LayerFit] = field(default_factory=list)
+    blocks: List[BlockFit] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,12 +92,17 @@ class ConversionReport:
                  '|---|---|---:|---:|---:|---:|']
         lines += [f'| {f.layer} | {f.target} | {f.rel_err_before:.4f} | {f.cos_before:.4f} | '
                   f'{f.rel_err_after:.4f} | {f.cos_after:.4f} |' for f in self.layers]
+        if self.blocks:
+            lines += ['', '| block | rel. sq. err before | after reconstruction |', '|---|---:|---:|']
+            lines += [f'| {b.block} | {b.rel_err_before:.4f} | {b.rel_err_after:.4f} |' for b in self.blocks]
         lines.append('')
         if self.top1_agreement_analytic is not None:
             lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}% '
                          f'(first {self.analytic_images} images)'
                          + ('' if self.top1_agreement_calibrated is None else
-                            f', calibrated {100 * self.top1_agreement_calibrated:.2f}%'))
+                            f', calibrated {100 * self.top1_agreement_calibrated:.2f}%')
+                         + ('' if self.top1_agreement_reconstructed is None else
+                            f', reconstructed {100 * self.top1_agreement_reconstructed:.2f}%'))
         lines.append(f'{self.architecture} -> {self.norm}, {self.calibration_batches} calibration batches '
                      f'({self.calibration_images} images), {self.seconds:.1f} s')
         return '\n'.join(lines)
@@ -125,6 +138,8 @@ def convert_model(
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
         cache_dtype: Optional[torch.dtype] = None,
+        reconstruct_steps: int = 0,
+        reconstruct_lr: float = 3e-3,
         progress: bool = False,
         seed: int = 0,
         **model_kwargs,
@@ -155,6 +170,11 @@ def convert_model(
             they spill to a temporary folder.
         cache_dtype: the dtype those activations are kept in (None: as computed, exact; torch.float16
             halves the memory at float16 precision).
+        reconstruct_steps: after the fit, Adam steps per block of block-wise reconstruction (`reconstruct.py`):
+            the layers of each block trained together to reproduce the original block's output on the calibration
+            images, no labels. It closes most of what the fit leaves in models of 3x3 depthwise maps (EfficientNet);
+            0 (default): none. Holds one block's inputs and outputs on all batches in memory at a time.
+        reconstruct_lr: the reconstruction's learning rate.
         progress: show a progress bar.
         **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
@@ -181,9 +201,16 @@ def convert_model(
         options = CalibrationOptions(
             ridge=ridge, positions_per_batch=positions_per_batch, positions_per_unknown=positions_per_unknown,
             analytic_batches=analytic_batches, calib_memory=calib_memory, cache_dtype=cache_dtype,
-            progress=progress, seed=seed)
+            reconstruct_steps=reconstruct_steps, reconstruct_lr=reconstruct_lr, progress=progress, seed=seed)
         try:
-            _calibrate(model, converted, [x.to(device) for x in batches], report, options)
+            batches = [x.to(device) for x in batches]
+            original_logits = _calibrate(model, converted, batches, report, options)
+            if options.reconstruct_steps:
+                generator = torch.Generator().manual_seed(options.seed)
+                report.blocks = reconstruct_blocks(model, converted, batches, original_logits,
+                                                   options.reconstruct_steps, options.reconstruct_lr, generator)
+                with torch.no_grad():
+                    report.top1_agreement_reconstructed = _agreement(original_logits, [converted(x) for x in batches])
         finally:
             model.to(home)
         converted.to(home)
@@ -237,8 +264,9 @@ def _qkv_called_as_module(model: nn.Module) -> nn.Module:
 
 
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
-               options: CalibrationOptions) -> None:
-    """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring).
+               options: CalibrationOptions) -> List[torch.Tensor]:
+    """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring); returns the
+    original's logits on the batches.
 
     Both models are traced and walked over all batches together (`GraphWalk`): the converted model up to
     the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
@@ -277,6 +305,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
         report.top1_agreement_analytic = _agreement(original.outputs, analytic)
         report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
+    return original.outputs
 
 
 def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:
