@@ -447,3 +447,13 @@ def test_slots_that_keep_normalising_are_not_converted():
                               mlp_ratio=[2, 2, 1])
     with pytest.raises(ConversionError, match=r'blocks\.0\.projs\.0\.0: the slot normalises its input'):
         convert_model(model)
+
+
+def test_reconstruction_blocks_are_whole_blocks_whose_outputs_match_the_original():
+    """Reconstruction fits blocks whose output means what the original's does: not a block inside another (ResNet's
+    `downsample.0`), not a layer that applies the affine of a slot after it (ConvNeXt's stem conv)."""
+    from timm_affinediv.convert.reconstruct import reconstruction_blocks
+    resnet = timm.create_model('resnet18', norm_layer='patchnorm', **NARROW['resnet18'])
+    assert reconstruction_blocks(resnet) == [f'layer{i}.{j}' for i in range(1, 5) for j in range(2)]
+    convnext = timm.create_model('convnext_atto', norm_layer='patchnorm', **NARROW['convnext_atto'])
+    assert reconstruction_blocks(convnext) == [f'stages.{i}' for i in range(4)]

@@ -43,14 +43,26 @@ class _Reached(Exception):
 
 def reconstruction_blocks(model: nn.Module) -> List[str]:
     """The blocks reconstructed, in module order: children of `nn.Sequential`/`nn.ModuleList` containers, not
-    containers themselves, that hold a divergence-corrected layer."""
-    blocks = []
+    containers themselves nor inside another block (ResNet's `layer1.0`, not its `downsample.0`), that hold a
+    divergence-corrected layer and apply no slot's affine from outside them (not ConvNeXt's `stem.0`, whose output
+    carries the affine of the slot after it: the original's has no norm yet)."""
+    paths = {id(m): path for path, m in model.named_modules()}
+
+    def applies_outer_slot(child: nn.Module, child_path: str) -> bool:
+        """Whether a layer of `child` applies the affine of a slot outside it: its output is not the original's."""
+        slots = (getattr(m, 'fused_slot', None) for m in child.modules())
+        return any(not paths[id(slot)].startswith(child_path + '.') for slot in slots if slot is not None)
+
+    blocks: List[str] = []
     for path, container in model.named_modules():
         if isinstance(container, (nn.Sequential, nn.ModuleList)):
             for name, child in container.named_children():
+                child_path = f'{path}.{name}' if path else name
                 if not isinstance(child, (nn.Sequential, nn.ModuleList)) and \
-                        any(isinstance(m, _CORRECTED) for m in child.modules()):
-                    blocks.append(f'{path}.{name}' if path else name)
+                        any(isinstance(m, _CORRECTED) for m in child.modules()) and \
+                        not any(child_path.startswith(block + '.') for block in blocks) and \
+                        not applies_outer_slot(child, child_path):
+                    blocks.append(child_path)
     return blocks
 
 
@@ -165,9 +177,12 @@ def reconstruct_blocks(original: nn.Module, converted: nn.Module, batches: List[
                and not any(path == b or path.startswith(b + '.') for b in blocks)]
     fits = []
     stem = _parameters(m for path, m in outside if order[path] < order[blocks[0]])
-    if stem:
+    try:
         with torch.no_grad():
-            targets = [_block_io(original, blocks[0], x)[0] for x in batches]
+            targets = [_block_io(original, blocks[0], x)[0] for x in batches] if stem else []
+    except (LookupError, AttributeError):  # not a block of the original
+        targets = []
+    if targets:
         fits.append(_fit('(stem)', stem, lambda i: _block_io(converted, blocks[0], batches[i])[0], targets, steps,
                          lr, generator))
     for path in blocks:
