@@ -41,7 +41,7 @@ from .layout import channel_axis_after, is_metadata_use, value_shape
 from .norm import L2NormLinear
 from .recurrent import AffineDivLSTM
 from .slot import PatchNormSlot, SlotBinding
-from .tracing import trace_values
+from .tracing import eval_mode, module_state, trace_values
 
 __all__ = ['bind_patchnorm', 'describe_kernel_paths', 'describe_slots', 'divergence_corrected', 'fake_eval',
            'layer_kernel_paths', 'SlotLayoutError']
@@ -202,7 +202,7 @@ def _keeping_module_state(model: nn.Module) -> Iterator[None]:
     """ Restores any attribute or buffer a module cached as a fake tensor or an `fx.Proxy` while the model was
     traced or run on fake tensors (ConViT's relative indices, masks built on first use): left there, it would fail
     the module's next real forward."""
-    cached = {m: (dict(vars(m)), dict(m._buffers)) for m in model.modules()}
+    cached = module_state(model)
     try:
         yield
     finally:
@@ -219,13 +219,9 @@ def _keeping_module_state(model: nn.Module) -> Iterator[None]:
 def fake_eval(model: nn.Module) -> Iterator[nn.Module]:
     """`model` in eval mode, computing on fake tensors (shapes only: no arithmetic, nothing stored); the modes of its
     modules, and any tensor they cache in that forward, are restored after."""
-    modes = {m: m.training for m in model.modules()}
-    try:
-        with _keeping_module_state(model), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            yield model.eval()
-    finally:
-        for m, training in modes.items():
-            m.training = training
+    with _keeping_module_state(model), eval_mode(model), FakeTensorMode(allow_non_fake_inputs=True), \
+            torch.no_grad():
+        yield model
 
 
 def _channel_axes(name: str, slot: PatchNormSlot, shape: Optional[Tuple[int, ...]], model: nn.Module) -> List[int]:

@@ -69,11 +69,16 @@ class AffineDivLSTM(nn.LSTM):
         x = input if batched else input.unsqueeze(batch_dim)
         inv_s = self.inv_scale(x)
         weights = [getattr(self, name) for name in self._flat_weights_names]
-        per_direction = len(weights) // (self.num_layers * (2 if self.bidirectional else 1))
-        for d, (weight, bias) in enumerate(self.first_layer_maps()):
-            augmented_x, weights[d * per_direction] = _augmented_input(x, inv_s, weight, bias, -1)
+        maps = self.first_layer_maps()
+        per_direction = len(weights) // (self.num_layers * len(maps))
+        # the directions' maps stacked, so that the input is augmented once
+        weight = torch.cat([w for w, _ in maps])
+        bias = torch.cat([b for _, b in maps]) if self.bias else None
+        augmented_x, augmented_weight = _augmented_input(x, inv_s, weight, bias, -1)
+        for d, direction_weight in enumerate(augmented_weight.chunk(len(maps))):
+            weights[d * per_direction] = direction_weight
             if bias is not None:  # the bias is a column of the augmented weight, divided with the rest
-                weights[d * per_direction + 2] = torch.zeros_like(bias)
+                weights[d * per_direction + 2] = torch.zeros_like(maps[d][1])
         if hx is None:
             directions, n = 2 if self.bidirectional else 1, x.size(batch_dim)
             h0 = x.new_zeros(self.num_layers * directions, n, self.proj_size or self.hidden_size)

@@ -12,6 +12,7 @@ traced through where its control flow depends on shapes only, so the binding see
 kept as a leaf where it does not.
 """
 import operator
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -141,7 +142,7 @@ class _ValueTracer(fx.Tracer):
             return forward(*args, **kwargs)
         if not isinstance(m, self._notrace_types) or self.is_leaf_module(m, ''):
             return super().call_module(m, forward, args, kwargs)
-        last, stack, state, stopped = self.graph._root.prev, dict(self.module_stack), _module_state(m), self.stopped
+        last, stack, state, stopped = self.graph._root.prev, dict(self.module_stack), module_state(m), self.stopped
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:  # control flow on values, or an op the trace cannot take: the module stays a leaf
@@ -198,7 +199,7 @@ class _ValueTracer(fx.Tracer):
         if kind == 'placeholder':
             return self.example if not self.values else _UNKNOWN
         if kind == 'get_attr':
-            return _fetch(self.root, target)
+            return operator.attrgetter(target)(self.root)
         arg_values, kwarg_values = _values(args), _values(kwargs)
         if arg_values is _UNKNOWN or kwarg_values is _UNKNOWN:
             return _UNKNOWN
@@ -210,33 +211,24 @@ class _ValueTracer(fx.Tracer):
             module = self.root.get_submodule(target)
             if isinstance(module, PatchNormSlot):  # its layout is what the binding finds out: pass through
                 return arg_values[0]
-            with _eval(module):
+            with eval_mode(module):
                 return module(*arg_values, **kwarg_values)
 
 
-def _fetch(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split('.'):
-        value = getattr(value, part)
-    return value
-
-
-class _eval:
-    """A module in eval mode for the duration (no running-statistics updates, dropout off), its modes restored."""
-
-    def __init__(self, module: nn.Module):
-        self.modes = {m: m.training for m in module.modules()}
-        self.module = module
-
-    def __enter__(self) -> None:
-        self.module.eval()
-
-    def __exit__(self, *exc: Any) -> None:
-        for m, training in self.modes.items():
+@contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` in eval mode for the duration (no running-statistics updates, dropout off), its modules' modes
+    restored after."""
+    modes = {m: m.training for m in module.modules()}
+    try:
+        yield module.eval()
+    finally:
+        for m, training in modes.items():
             m.training = training
 
 
-def _module_state(module: nn.Module) -> Dict[nn.Module, Tuple[dict, dict]]:
+def module_state(module: nn.Module) -> Dict[nn.Module, Tuple[dict, dict]]:
+    """A copy of the attribute and buffer tables of `module` and its submodules."""
     return {m: (dict(vars(m)), dict(m._buffers)) for m in module.modules()}
 
 
