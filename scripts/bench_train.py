@@ -56,8 +56,8 @@ class _FixedBatches:
 def main(argv=None) -> int:
     p = command_parser('bench-train', __doc__, prog='scripts/bench_train.py')
     add_model_args(p, model_type=timm_model_name, default='resnet18', pretrained=False, checkpoint=(), head=False,
-                   model_kwargs_default={}, help={'--model': 'timm model name',
-                                                  '--model-kwargs': 'timm.create_model arguments, e.g. drop_rate=0.1'})
+                   help={'--model': 'timm model name',
+                         '--model-kwargs': 'timm.create_model arguments, e.g. drop_rate=0.1'})
     p.add_argument('-b', '--batch-size', type=positive_int, default=64)
     p.add_argument('--steps', type=positive_int, default=20, help='batches per round')
     p.add_argument('--rounds', type=positive_int, default=6)

@@ -1,4 +1,5 @@
 """One error base for the package, its one-line report on the command line, the timm version check, atomic writes."""
+import os
 import subprocess
 import sys
 
@@ -99,6 +100,33 @@ def test_untested_timm_is_refused_with_the_tested_range(version, ok, monkeypatch
     monkeypatch.setenv(_timm_compat.ALLOW_UNTESTED_ENV, '1')
     with pytest.warns(UserWarning, match='not supported'):
         _timm_compat.check_timm_version()
+
+
+@pytest.mark.parametrize('version', ['1.0.29.dev0', '1.1.0'])
+def test_an_untested_timm_is_refused_before_its_internals_are_imported(version, tmp_path):
+    """A timm whose private modules differ (here: none at all) is refused by the version check, not by an import
+    error: one line, exit status 2 from the command."""
+    fake = tmp_path / 'timm'
+    fake.mkdir()
+    (fake / '__init__.py').write_text(f'__version__ = {version!r}\n')
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')])}
+    env.pop(_timm_compat.ALLOW_UNTESTED_ENV, None)
+    imported = subprocess.run([sys.executable, '-c', 'import timm_affinediv'], capture_output=True, text=True,
+                              env=env, timeout=120)
+    assert imported.returncode == 1 and f'TimmVersionError: timm {version} is not supported' in imported.stderr
+    assert 'ModuleNotFoundError' not in imported.stderr
+    command = subprocess.run([sys.executable, '-m', 'timm_affinediv', '--version'], capture_output=True, text=True,
+                             env=env, timeout=120)
+    assert command.returncode == 2 and command.stdout == ''
+    assert command.stderr.strip().splitlines() == [
+        f'timm-affinediv: error: timm {version} is not supported by timm-affinediv, which reaches into timm '
+        'internals tested only with timm>=1.0.31,<1.1: pip install "timm>=1.0.31,<1.1" '
+        '(or set TIMM_AFFINEDIV_ALLOW_UNTESTED_TIMM=1 to try)']
+    allowed = subprocess.run([sys.executable, '-c', 'import timm_affinediv'], capture_output=True, text=True,
+                             env={**env, _timm_compat.ALLOW_UNTESTED_ENV: '1'}, timeout=120)
+    # warned, then on at the user's risk: this stand-in timm has none of the internals the package uses
+    assert f'UserWarning: timm {version} is not supported' in allowed.stderr
+    assert 'ModuleNotFoundError' in allowed.stderr
 
 
 def test_tested_range_is_the_declared_dependency():

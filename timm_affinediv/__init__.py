@@ -2,6 +2,15 @@
 
 Importing the package registers `norm_layer="patchnorm"` (and `l2norm`, `l2norm2d`) with timm.
 """
+from ._timm_version import check_timm_version, refuse_in_command
+from .errors import TimmVersionError
+
+try:
+    check_timm_version()  # first: an untested timm is refused before any module reaches into its internals
+except TimmVersionError as error:
+    refuse_in_command(error)
+    raise
+
 from .convert import ConversionError, ConversionReport, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
 from .errors import AffineDivError

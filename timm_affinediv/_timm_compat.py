@@ -2,51 +2,31 @@
 
 timm keeps its norm factories' tables, its model builder's traits step and a few helpers private (leading
 underscore): they may change in any release. The package reaches them only through this module, and refuses a
-timm outside `TESTED_TIMM` on import with one line saying which versions work, rather than failing somewhere a
-user meets first. `TIMM_AFFINEDIV_ALLOW_UNTESTED_TIMM=1` turns the refusal into a warning (at your own risk).
+timm outside `TESTED_TIMM` on import, before this module is imported (`_timm_version`), with one line saying which
+versions work. `TIMM_AFFINEDIV_ALLOW_UNTESTED_TIMM=1` turns the refusal into a warning (at your own risk).
 """
-import os
-import warnings
-from typing import Callable, Optional
+from typing import Callable
 
 import timm
+
+# the package's __init__ has run `check_timm_version` before this module is imported: these private names are
+# those of a tested timm
 import timm.layers.create_norm as _create_norm
 import timm.layers.create_norm_act as _create_norm_act
 import timm.models._builder as _builder
 import timm.models._factory as _factory
 import timm.models.convnext as _convnext
-from packaging.version import Version
 from timm.layers.norm_act import _create_act
 from timm.models._input import get_model_args, get_model_input_config
 
+from ._timm_version import ALLOW_UNTESTED_ENV, TESTED_TIMM, check_timm_version
 from .errors import TimmVersionError
 
 __all__ = [
-    'TESTED_TIMM', 'check_timm_version', 'get_model_args', 'get_model_input_config', 'create_act', 'NORM_MAP',
-    'NORM_TYPES', 'NORM_ACT_MAP', 'NORM_ACT_TYPES', 'NORM_ACT_REQUIRES_ARG', 'NORM_TO_NORM_ACT_MAP',
-    'CONVNEXT_NORM_MAP', 'wrap_init_model_traits', 'wrap_model_entrypoint']
+    'TESTED_TIMM', 'ALLOW_UNTESTED_ENV', 'check_timm_version', 'get_model_args', 'get_model_input_config',
+    'create_act', 'NORM_MAP', 'NORM_TYPES', 'NORM_ACT_MAP', 'NORM_ACT_TYPES', 'NORM_ACT_REQUIRES_ARG',
+    'NORM_TO_NORM_ACT_MAP', 'CONVNEXT_NORM_MAP', 'wrap_init_model_traits', 'wrap_model_entrypoint']
 
-#: The timm releases this package is tested with (also `dependencies` in pyproject.toml): >= first, < second.
-TESTED_TIMM = ('1.0.31', '1.1')
-ALLOW_UNTESTED_ENV = 'TIMM_AFFINEDIV_ALLOW_UNTESTED_TIMM'
-
-
-def check_timm_version(version: Optional[str] = None) -> None:
-    """Raise `TimmVersionError` unless timm `version` (default: the installed one) is in `TESTED_TIMM`."""
-    version = timm.__version__ if version is None else version
-    low, high = TESTED_TIMM
-    release = Version(Version(version).base_version)  # a pre-release of 1.1 is 1.1's code, not 1.0's
-    if Version(low) <= release < Version(high):
-        return
-    message = (f'timm {version} is not supported by timm-affinediv, which reaches into timm internals tested only '
-               f'with timm>={low},<{high}: pip install "timm>={low},<{high}" (or set {ALLOW_UNTESTED_ENV}=1 to try)')
-    if os.environ.get(ALLOW_UNTESTED_ENV) == '1':
-        warnings.warn(message, stacklevel=2)
-    else:
-        raise TimmVersionError(message)
-
-
-check_timm_version()
 
 #: `timm.layers.norm_act._create_act`: the activation of a norm+act layer, as timm's own norm-act layers build it.
 create_act: Callable = _create_act

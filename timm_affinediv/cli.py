@@ -131,7 +131,6 @@ def add_model_args(
         checkpoint: Sequence[str] = ('--checkpoint',),
         checkpoint_type: Callable[[str], str] = existing_file,
         head: bool = True,
-        model_kwargs_default: Optional[dict] = None,
         help: Optional[Dict[str, str]] = None,
 ) -> argparse._ArgumentGroup:
     """ The model flags every command shares, in a 'model' group: `--model`, `--pretrained`, `--checkpoint`,
@@ -158,7 +157,8 @@ def add_model_args(
     if head:
         group.add_argument('--num-classes', type=positive_int, help=texts['--num-classes'])
         group.add_argument('--in-chans', type=positive_int, help=texts['--in-chans'])
-    group.add_argument('--model-kwargs', nargs='*', default=model_kwargs_default, action=ParseKwargs,
+    # one default for every command: no --model-kwargs is an empty mapping, never None
+    group.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs,
                        metavar='KEY=VALUE', help=texts['--model-kwargs'])
     return group
 

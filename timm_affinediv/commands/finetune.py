@@ -51,7 +51,7 @@ def add_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """The shared model flags (`timm_affinediv.cli.add_model_args`) and `--norm-layer`."""
     g = add_model_args(
         p, model_type=timm_model_name, default=d.model, checkpoint=('--initial-checkpoint', '--checkpoint'),
-        checkpoint_type=existing_path, model_kwargs_default={}, help={
+        checkpoint_type=existing_path, help={
             '--model': f'timm model name (default: {d.model})',
             '--pretrained': 'start from timm pretrained weights',
             '--checkpoint': 'weights to start from (.safetensors / .pth, or a Hub-format folder)',

@@ -44,8 +44,8 @@ def main(argv=None) -> int:
     parser.add_argument('--overwrite', action='store_true', help='replace the output folders of an earlier run')
     args = vars(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format='%(message)s')
-    if args['model_kwargs'] is None:  # the narrow default belongs to the default model only
-        args['model_kwargs'] = defaults.model_kwargs if args['model'] == defaults.model else {}
+    if not args['model_kwargs'] and args['model'] == defaults.model:  # the narrow default belongs to that model only
+        args['model_kwargs'] = defaults.model_kwargs
     summary = run_pipeline(PipelineConfig(**args))
     print(json.dumps(summary, indent=2))
     folder = f"{args['output']}/model"

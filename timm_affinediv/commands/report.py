@@ -61,7 +61,7 @@ def load_batch(data: str, model: torch.nn.Module, batch_size: int, seed: int, im
 
 def main(argv: list[str] | None = None) -> int:
     parser = command_parser('report', __doc__)
-    group = add_model_args(parser, model_kwargs_default={}, help={
+    group = add_model_args(parser, help={
         '--model': 'timm model name, hf-hub:org/name or local-dir:PATH',
         '--checkpoint': 'weights to load (.safetensors or timm checkpoint); default: random init',
         '--in-chans': "input channels (default: 1 for Fashion-MNIST, else the model's)",
