@@ -10,8 +10,8 @@ float64) against the constant `c`. Part 2 (`--families`): every model of the nam
 Writes `docs/coverage.md` (a table and the summary line "N of M timm families") and `docs/coverage.json`.
 
     python scripts/coverage.py                      # part 1
-    python scripts/coverage.py --families resnet convnext vision_transformer ...   # part 2 too
-    python scripts/coverage.py --no-forward --output a.md && python scripts/coverage.py --modules vit ... \
+    python scripts/coverage.py --families resnet convnext vision_transformer   # part 2 too
+    python scripts/coverage.py --no-forward --output a.md && python scripts/coverage.py --modules vit deit \
         --output b.md && python scripts/coverage.py --merge a.json b.json      # bind-only rows, some checked
 """
 import contextlib

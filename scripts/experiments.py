@@ -1,7 +1,7 @@
 """Fashion-MNIST experiments testing the affine divergence paper's claims (the `paper` modules beside this script).
 
     python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget
-    python scripts/experiments.py --only mlp --quick --output /tmp/q  # one experiment, seconds
+    python scripts/experiments.py --only mlp --quick --output runs/quick  # one experiment, seconds
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per

@@ -1,5 +1,6 @@
 """One error base for the package, its one-line report on the command line, the timm version check, atomic writes."""
 import os
+import re
 import subprocess
 import sys
 
@@ -164,3 +165,19 @@ def test_atomic_dir_replaces_a_folder_or_leaves_it(tmp_path):
     with atomic_dir(folder) as tmp:
         (tmp / 'b').write_text('2')
     assert [p.name for p in folder.iterdir()] == ['b'] and [p.name for p in tmp_path.iterdir()] == ['out']
+
+
+def test_a_checkpoint_that_does_not_fit_is_named_in_a_short_line(tmp_path):
+    """The first few mismatched keys of each kind and how many more, not every key of the model."""
+    from safetensors.torch import save_file
+    small = timm.create_model('resnet18', num_classes=10, in_chans=1, channels=(8, 16, 32, 64), stem_width=8)
+    weights = {k: v for k, v in small.state_dict().items() if not k.startswith('layer4.1.')}
+    weights['extra.weight'] = torch.zeros(1)
+    save_file(weights, str(tmp_path / 'small.safetensors'))
+    with pytest.raises(CheckpointError) as info:
+        load_trained_model('resnet18', str(tmp_path / 'small.safetensors'), num_classes=10, in_chans=1)
+    message = str(info.value)
+    assert '\n' not in message and len(message) < 900, message
+    assert '12 missing keys (layer4.1.conv1.weight, layer4.1.bn1.weight, layer4.1.bn1.bias and 9 more)' in message
+    assert re.search(r'\d+ unexpected \([^)]*extra\.weight', message), message
+    assert 'layer1.0.conv1.weight: (8, 64, 3, 3) in the checkpoint, (64, 64, 3, 3) in the model' in message, message

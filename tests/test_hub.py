@@ -406,3 +406,11 @@ def test_batchnorm_baseline_card_is_not_patchnorm(folder):
     assert 'patchnorm' not in card.data.tags
     assert 'Norm layer: `batchnorm`. This model has no PatchNorm' in card.text
     assert 'PatchNorm divides' not in card.text
+
+
+def test_card_links_only_to_pages_that_exist(folder):
+    """The card links timm's repository and the paper, not a package page that does not exist (no PyPI release)."""
+    import re
+    links = set(re.findall(r'\]\((https?://[^)\s]+)\)', (folder / 'README.md').read_text()))
+    assert links and links <= {'https://github.com/huggingface/pytorch-image-models',
+                               'https://arxiv.org/abs/2512.22247'}, links

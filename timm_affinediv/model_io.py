@@ -10,6 +10,7 @@ import timm
 import torch
 import torch.nn as nn
 
+from ._state_dict import describe_mismatch
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
@@ -60,8 +61,9 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     try:
         timm.models.load_checkpoint(net, checkpoint, strict=True)
     except RuntimeError as e:
+        mismatch = describe_mismatch(net, timm.models.load_state_dict(checkpoint)) or str(e)
         raise CheckpointError(
-            f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {e}\n'
+            f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {mismatch}. '
             'Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).') from e
     except Exception as e:  # not a checkpoint at all, truncated, ...
         raise CheckpointError(f'checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}).') from e

@@ -1,7 +1,8 @@
 """The main job: a trained BatchNorm model -> PatchNorm -> fine-tuned with distillation -> Hub-ready folder.
 
     timm-affinediv pipeline                      # built-in default: narrow resnet18 on Fashion-MNIST, trained here
-    timm-affinediv pipeline --model resnet18 --checkpoint baseline.safetensors --model-kwargs ...
+    timm-affinediv pipeline --model resnet18 --checkpoint baseline.safetensors \
+        --model-kwargs "channels=(16,32,64,128)" stem_width=16 --output runs/demo-own
 
 Writes <output>/baseline (when trained here), <output>/converted, <output>/model (the fine-tuned, publishable
 folder: push it with timm-affinediv push) and the runs' logs and checkpoints.

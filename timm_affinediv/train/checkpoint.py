@@ -17,6 +17,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from .._io import atomic_write
+from .._state_dict import describe_mismatch
 from ..errors import NormMismatchError
 from .config import CheckpointError, ConfigError
 
@@ -54,7 +55,7 @@ def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: s
     except NormMismatchError as e:  # a BatchNorm checkpoint for patchnorm slots
         raise ConfigError(f'{what} {path}: {e}') from e
     except RuntimeError as e:  # missing / unexpected keys, shape mismatches
-        raise ConfigError(f'{what} {path} does not fit the model: {e}') from e
+        raise ConfigError(f'{what} {path} does not fit the model: {describe_mismatch(model, state_dict) or e}') from e
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -1,0 +1,472 @@
+""" The commands README, docs/ and every `--help` epilog show, and the stand-ins under which the tests run them
+
+Every line a user could copy that starts with `timm-affinediv`, `python scripts/NAME.py` or `torchrun` is collected:
+code blocks and inline code of the markdown files (an inline mention of a bare command name, with no argument, is a
+name, not a command), and the examples of each command's and script's `--help`. A collected line runs as written,
+with one mechanism changing what it meets, never its flags' names:
+
+- **Stand-in models**: the architectures the docs name (`resnet50`, `convnext_tiny`, `vit_small_patch16_224`, ...)
+  are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win).
+- **Stand-in data**: Fashion-MNIST is a 600-image copy in the Debian IDX format; `PATH` is an image folder of
+  Fashion-MNIST PNGs (`PATH/train/<class>/`, `PATH/validation/<class>/`).
+- **Stand-in Hub**: `HF_ENDPOINT` is a loopback Hub (`hub_server.py`) holding `timm/resnet50.a1_in1k` (the narrow
+  stand-in's weights), so `--model resnet50.a1_in1k --pretrained` downloads through timm's real code.
+- **Stand-in files**: the inputs a command names are made before it runs (`PREPARED`: the demo run of `make demo`
+  and what its folders hold, checkpoints of the stand-in models, a timm `args.yaml`); what the same document makes
+  itself is not.
+- **Budgets** (`BUDGET`): flag values that set how long a run takes are capped (`--epochs 5` runs 1 epoch,
+  `--calib-images 1024` 16 images, `--reps 9` 4 rounds, ...); a full sweep gets its script's own flags for one
+  family or experiment (`SWEEP`).
+
+Each document's (or `--help`'s) commands run in order in one fresh folder, as a reader would type them, in this
+process (the stand-ins are set here), or, for `torchrun` and an environment assignment, in a child process that
+applies the same stand-ins at start-up (`standins/sitecustomize.py`). Each must exit 0 and write what its
+`--output` names; a command the document shows with its error output (`$ COMMAND` followed by `... error: ...`)
+must fail with exactly that line.
+"""
+import contextlib
+import gzip
+import io
+import json
+import os
+import re
+import runpy
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).parents[1]
+SCRIPTS = ROOT / 'scripts'
+STANDINS_ENV = 'TIMM_AFFINEDIV_EXAMPLE_STANDINS'
+
+# --- what the docs show -------------------------------------------------------------------------------------------
+
+FENCE = re.compile(r'^\s*(```|~~~)')
+INLINE_CODE = re.compile(r'`([^`]+)`')
+COMMENT = re.compile(r'\s#\s.*$')
+START = re.compile(r'^(?:\$\s+)?((?:[A-Z_]+=\S+\s+)*)'
+                   r'(timm-affinediv|python3? scripts/[a-z_]+\.py|python -m timm_affinediv|torchrun)(\s.*)?$')
+ERROR_LINE = re.compile(r'^(timm-affinediv [a-z]+|scripts/[a-z_]+\.py): error: ')
+
+
+@dataclass
+class Command:
+    """One command line as shown: `env` assignments before it, the words after them, and, for a line the document
+    shows with its error output, that line."""
+    text: str
+    env: Dict[str, str] = field(default_factory=dict)
+    words: List[str] = field(default_factory=list)
+    expected_error: Optional[str] = None
+
+
+@dataclass
+class Example:
+    """The commands one document (or one `--help`) shows, in order."""
+    source: str
+    commands: List[Command]
+
+
+def _join_continued(lines: Sequence[str]) -> List[str]:
+    joined: List[str] = []
+    for line in lines:
+        if joined and joined[-1].endswith('\\'):
+            joined[-1] = joined[-1][:-1].rstrip() + ' ' + line.strip()
+        else:
+            joined.append(line.rstrip())
+    return joined
+
+
+def _markdown_lines(text: str) -> List[Tuple[str, bool]]:
+    """(line, in a code block) of a markdown text, in order: a code block's lines (continuations joined), and each
+    inline code span of the prose (spans may wrap across lines) as a line of its own."""
+    lines: List[Tuple[str, bool]] = []
+    block: List[str] = []
+    prose: List[str] = []
+    in_fence = False
+    for line in [*text.splitlines(), '```']:  # the sentinel fence flushes the last paragraph
+        if FENCE.match(line):
+            lines += [(' '.join(s.split()), False) for s in INLINE_CODE.findall('\n'.join(prose))]
+            lines += [(c, True) for c in _join_continued(block)]
+            block, prose = [], []
+            in_fence = not in_fence
+        elif in_fence:
+            block.append(line)
+        else:
+            prose.append(line)
+    return lines
+
+
+def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
+    """The commands among `lines`; a bare command name in inline code (no argument) is a mention, not a command."""
+    commands: List[Command] = []
+    parts = [(part, in_block) for line, in_block in lines for part in COMMENT.sub('', line).split(' && ')]
+    for line, in_block in parts:
+        stripped = line.strip()
+        if commands and ERROR_LINE.match(stripped) and commands[-1].text.startswith('$'):
+            commands[-1].expected_error = stripped
+            continue
+        m = START.match(stripped)
+        if not m:
+            continue
+        assignments, program, rest = m.group(1), m.group(2), (m.group(3) or '').strip()
+        # an optional part is run too, unless it elides what it holds (`[--model-kwargs ...]`)
+        rest = re.sub(r'\[([^\]]*)\]', lambda o: '' if '...' in o.group(1) else o.group(1), rest)
+        if not in_block and program == 'timm-affinediv' and re.fullmatch(r'[a-z]*', rest):
+            continue  # a command's name in the prose (`timm-affinediv convert`), not a command
+        if re.fullmatch(r'[A-Z<][A-Za-z<>-]*(\s+--help)?', rest.split(' ', 1)[0] if rest else ''):
+            continue  # a placeholder command (`timm-affinediv COMMAND --help`)
+        words = shlex.split(rest)
+        env = dict(a.split('=', 1) for a in assignments.split())
+        command = Command(stripped, env, [*program.split(), *words])
+        if not any(c.words == command.words and c.env == command.env for c in commands):
+            commands.append(command)
+    return commands
+
+
+def doc_examples() -> List[Example]:
+    """The commands of README.md and of every page under docs/."""
+    paths = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
+    examples = []
+    for path in paths:
+        commands = parse_commands(_markdown_lines(path.read_text()))
+        if commands:
+            examples.append(Example(path.relative_to(ROOT).as_posix(), commands))
+    return examples
+
+
+def help_examples(help_of: Callable[[List[str]], str]) -> List[Example]:
+    """The commands in the examples of every command's and script's `--help` (`help_of(words)` gives the text)."""
+    from timm_affinediv.commands import COMMANDS
+    shown = [['timm-affinediv', name] for name in COMMANDS]
+    shown += [['python', f'scripts/{p.name}'] for p in sorted(SCRIPTS.glob('*.py'))]
+    examples = []
+    for words in shown:
+        text = help_of(words)
+        _, _, epilog = text.partition('\nexamples:\n')
+        lines = [(line.strip(), True) for line in _join_continued(epilog.splitlines())]
+        commands = parse_commands(lines)
+        if commands:
+            examples.append(Example(' '.join(words) + ' --help', commands))
+    return examples
+
+
+# --- the stand-ins ------------------------------------------------------------------------------------------------
+
+#: The architectures the docs name, built narrow (timm's entrypoint with these defaults; a command's own win).
+NARROW: Dict[str, dict] = {
+    'resnet18': dict(channels=(16, 32, 64, 128), stem_width=16),
+    'resnet50': dict(channels=(16, 32, 64, 128), stem_width=16, layers=(1, 1, 1, 1)),
+    'convnext_tiny': dict(dims=(16, 32, 64, 128), depths=(1, 1, 1, 1)),
+    'convnext_atto': dict(dims=(16, 32, 64, 128), depths=(1, 1, 1, 1)),
+    'vit_small_patch16_224': dict(embed_dim=64, depth=2, num_heads=2),
+    'vit_tiny_patch16_224': dict(embed_dim=64, depth=2, num_heads=2),
+}
+
+#: Flags whose value sets how long a run takes, and the cap each gets.
+BUDGET: Dict[str, int] = {
+    '--epochs': 1, '--calib-images': 16, '--calib-batches': 2, '--reps': 4, '--rounds': 2, '--steps': 2,
+    '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--batches': 2,
+    '--batch-size': 16, '-b': 16, '--eval-images': 64,
+}
+#: Flags listing several values (runs of the same thing), cut to the first.
+FIRST_ONLY = ('--seeds', '--families')
+
+#: The full sweeps' own flags for one family or experiment, appended to the script's command.
+SWEEP: Dict[str, List[str]] = {
+    'scripts/coverage.py': ['--modules', 'resnet', '--max-params', '1', '--output', 'coverage.md'],
+    'scripts/experiments.py': ['--only', 'mlp', '--quick'],
+}
+
+#: Placeholders the docs use for the reader's own things.
+PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', 'M': 'resnet18', 'RUN/model.safetensors': 'run/model.safetensors',
+                                'PATH/TO/pytorch-image-models': os.environ.get('TIMM_CHECKOUT', 'pytorch-image-models')}
+
+FASHION_MNIST_SIZES = {'train': 400, 't10k': 200}
+
+
+def apply_budget(words: List[str]) -> List[str]:
+    """`words` with the budget flags' values capped, placeholders replaced and a sweep cut to one family."""
+    out: List[str] = []
+    i = 0
+    while i < len(words):
+        word = words[i]
+        out.append(PLACEHOLDERS.get(word, word))
+        if word in BUDGET and i + 1 < len(words) and re.fullmatch(r'\d+', words[i + 1]):
+            values = []
+            i += 1
+            while i < len(words) and re.fullmatch(r'\d+', words[i]):
+                values.append(str(min(int(words[i]), BUDGET[word])))
+                i += 1
+            out += values[:1] if word in FIRST_ONLY else values
+            continue
+        if word in FIRST_ONLY and i + 1 < len(words):
+            i += 1
+            values = []
+            while i < len(words) and not words[i].startswith('-'):
+                values.append(words[i])
+                i += 1
+            out += values[:1]
+            continue
+        i += 1
+    for script, extra in SWEEP.items():
+        flags = [w for w in extra if w.startswith('--')]
+        if script in out[:2] and not any(flag in out for flag in ('--help', '--merge', *flags)):
+            out += extra
+    return out
+
+
+def _narrow_entrypoints() -> Dict[str, Callable]:
+    import functools
+
+    from timm.models import _registry
+
+    originals = {}
+    for name, defaults in NARROW.items():
+        original = _registry._model_entrypoints[name]
+        originals[name] = original
+
+        @functools.wraps(original)
+        def narrow(pretrained=False, _original=original, _defaults=defaults, **kwargs):
+            return _original(pretrained=pretrained, **{**_defaults, **kwargs})
+        _registry._model_entrypoints[name] = narrow
+    return originals
+
+
+def make_fashion_mnist(folder: Path, source: str) -> Path:
+    """The first images of each split of the Fashion-MNIST IDX files in `source`, as IDX files in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, count in FASHION_MNIST_SIZES.items():
+        for kind, header, item in (('images-idx3', 16, 28 * 28), ('labels-idx1', 8, 1)):
+            name = f'{split}-{kind}-ubyte.gz'
+            with gzip.open(os.path.join(source, name)) as f:
+                data = f.read(header + count * item)
+            data = data[:4] + count.to_bytes(4, 'big') + data[8:]
+            with gzip.open(folder / name, 'wb') as f:
+                f.write(data)
+    return folder
+
+
+def make_image_folder(folder: Path, per_class: int = 3) -> Path:
+    """`folder/{train,validation}/<class>/*.png`: Fashion-MNIST images (the stand-in copy), `per_class` a class."""
+    from timm_affinediv.data import FASHION_MNIST_CLASSES, FashionMNIST
+    for split, data_split in (('train', 'train'), ('validation', 'validation')):
+        dataset = FashionMNIST(split=data_split)
+        counts = {c: 0 for c in range(len(FASHION_MNIST_CLASSES))}
+        for index in range(len(dataset)):
+            image, label = dataset[index]
+            if counts[label] >= per_class:
+                continue
+            target = folder / split / FASHION_MNIST_CLASSES[label].replace('/', '-')
+            target.mkdir(parents=True, exist_ok=True)
+            image.save(target / f'{index}.png')
+            counts[label] += 1
+            if min(counts.values()) >= per_class:
+                break
+    return folder
+
+
+@dataclass
+class StandIns:
+    """Everything `apply` sets, as a JSON-able record a child process applies too (`STANDINS_ENV`)."""
+    fashion_mnist: str
+    hub_endpoint: str
+    hf_home: str
+
+    def to_env(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_env(cls) -> Optional['StandIns']:
+        text = os.environ.get(STANDINS_ENV)
+        return cls(**json.loads(text)) if text else None
+
+
+@contextlib.contextmanager
+def applied(standins: StandIns) -> Iterator[None]:
+    """The stand-ins set in this process (and in the environment its children inherit), restored afterwards."""
+    import huggingface_hub.constants as hub_constants
+    from timm.models import _registry
+
+    import timm_affinediv.data as data
+
+    env = {STANDINS_ENV: standins.to_env(), 'HF_ENDPOINT': standins.hub_endpoint, 'HF_HOME': standins.hf_home,
+           'HF_HUB_CACHE': os.path.join(standins.hf_home, 'hub'), 'HF_HUB_DISABLE_TELEMETRY': '1',
+           'PYTHONPATH': os.pathsep.join(p for p in (str(Path(__file__).parent / 'standins'),
+                                                      os.environ.get('PYTHONPATH')) if p)}
+    saved_env = {k: os.environ.get(k) for k in (*env, 'HF_TOKEN')}
+    saved = (data.FASHION_MNIST_DIR, hub_constants.ENDPOINT, hub_constants.HUGGINGFACE_CO_URL_TEMPLATE,
+             hub_constants.HF_HUB_CACHE)
+    os.environ.update(env)
+    os.environ.pop('HF_TOKEN', None)
+    data.FASHION_MNIST_DIR = standins.fashion_mnist
+    hub_constants.ENDPOINT = standins.hub_endpoint
+    hub_constants.HUGGINGFACE_CO_URL_TEMPLATE = standins.hub_endpoint + '/{repo_id}/resolve/{revision}/{filename}'
+    hub_constants.HF_HUB_CACHE = env['HF_HUB_CACHE']
+    originals = _narrow_entrypoints()
+    try:
+        yield
+    finally:
+        _registry._model_entrypoints.update(originals)
+        (data.FASHION_MNIST_DIR, hub_constants.ENDPOINT, hub_constants.HUGGINGFACE_CO_URL_TEMPLATE,
+         hub_constants.HF_HUB_CACHE) = saved
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def apply_in_child() -> None:
+    """Set the stand-ins in a child process started by an example (`standins/sitecustomize.py` calls this)."""
+    standins = StandIns.from_env()
+    if standins is None:
+        return
+    import timm_affinediv  # noqa: F401  the registry the narrow entrypoints replace entries of
+    applied(standins).__enter__()
+
+
+# --- the files the commands name ----------------------------------------------------------------------------------
+
+#: Inputs the commands name: path -> what it is (made by `prepare_inputs`), unless the document makes it itself.
+PREPARED = {
+    'runs/demo': 'the output of `timm-affinediv pipeline --output runs/demo` (make demo)',
+    'runs/converted': "the demo's converted model folder",
+    'runs/resnet18-patchnorm': "the demo's converted model folder",
+    'runs/baseline': "the demo's BatchNorm baseline folder",
+    'baseline.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
+    'model.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
+    'images': 'the stand-in image folder (PATH)',
+    'args.yaml': "a timm train.py args.yaml (RandAugment, mixup, LAMB)",
+    'run/model.safetensors': 'a checkpoint of the stand-in model of measure_family_conversion (tinynet_e)',
+}
+
+ARGS_YAML = """\
+model: resnet18
+opt: lamb
+lr: 0.005
+weight_decay: 0.02
+sched: cosine
+epochs: 1
+warmup_epochs: 0
+aa: rand-m7-mstd0.5
+mixup: 0.2
+cutmix: 1.0
+smoothing: 0.1
+batch_size: 16
+"""
+
+
+def outputs_of(example: Example) -> set:
+    """The first path component (or file) of every `--output` the example's commands write."""
+    found = set()
+    for command in example.commands:
+        words = command.words
+        for flag in ('--output', '--json'):
+            if flag in words and words.index(flag) + 1 < len(words):
+                found.add(os.path.normpath(words[words.index(flag) + 1]))
+    return found
+
+
+def prepare_inputs(folder: Path, store: Path, example: Example) -> None:
+    """Copy into `folder` the prepared inputs (made once in `store`) that `example` names and does not make."""
+    written = outputs_of(example)
+    text = ' '.join(' '.join(apply_budget(c.words)) for c in example.commands)
+    for name in PREPARED:
+        named = re.search(rf'(?<![\w/.-]){re.escape(name)}(?![\w.-])', text)
+        if named and not any(name == w or name.startswith(w + '/') for w in written):
+            source, target = store / name, folder / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir():
+                shutil.copytree(source, target, symlinks=True)
+            else:
+                shutil.copy2(source, target)
+
+
+# --- running them -------------------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    status: int
+    out: str
+    err: str
+
+
+def _in_process(words: List[str]) -> Outcome:
+    from timm_affinediv.commands import main as cli_main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if words[0] == 'timm-affinediv' or words[:3] == ['python', '-m', 'timm_affinediv']:
+                status = cli_main(words[1 if words[0] == 'timm-affinediv' else 3:])
+            else:
+                script = SCRIPTS / Path(words[1]).name
+                sys.path.insert(0, str(SCRIPTS))
+                try:
+                    module = runpy.run_path(str(script), run_name=f'example_{script.stem}')
+                    status = module['main'](words[2:])
+                finally:
+                    sys.path.remove(str(SCRIPTS))
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return Outcome(int(status or 0), out.getvalue(), err.getvalue())
+
+
+def _in_child(command: Command, words: List[str], timeout: float) -> Outcome:
+    if words[0] == 'torchrun':
+        argv = [sys.executable, '-m', 'torch.distributed.run', *words[1:]]
+    elif words[0] == 'timm-affinediv':
+        argv = [sys.executable, '-m', 'timm_affinediv', *words[1:]]
+    else:
+        argv = [sys.executable, str(SCRIPTS / Path(words[1]).name), *words[2:]]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **command.env})
+    return Outcome(proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_command(command: Command, timeout: float = 300) -> Tuple[List[str], Outcome]:
+    """Run one command as written, under the stand-ins in force, in the current folder."""
+    words = apply_budget(command.words)
+    if words[0] == 'python3':
+        words[0] = 'python'
+    if command.env or words[0] == 'torchrun':
+        return words, _in_child(command, words, timeout)
+    return words, _in_process(words)
+
+
+def missing_resource(words: List[str]) -> Optional[str]:
+    """The part of the refusal a command must print where what it needs cannot be had here (a CUDA GPU, timm's
+    train.py, which is in no package: `TIMM_CHECKOUT=PATH` names a checkout), or None where it can run."""
+    import torch
+    device = words[words.index('--device') + 1] if '--device' in words else None
+    if not torch.cuda.is_available() and (device == 'cuda' or (words[1:2] == ['scripts/bench_gpu.py'] and
+                                                                device != 'cpu' and '--help' not in words)):
+        return 'no CUDA GPU is visible'
+    if words[1:2] == ['scripts/compare_train_py.py'] and not (Path(words[2]) / 'train.py').is_file():
+        return 'holds no train.py: give a checkout of pytorch-image-models'
+    return None
+
+
+def check(command: Command, words: List[str], outcome: Outcome) -> Optional[str]:
+    """What is wrong with a command's outcome, or None."""
+    refusal = missing_resource(words)
+    if refusal:
+        lines = outcome.err.strip().splitlines()
+        if outcome.status == 0 or len(lines) != 1 or refusal not in lines[0]:
+            return f'expected a one-line refusal naming {refusal!r}, got status {outcome.status}: {outcome.err[-800:]}'
+        return None
+    if command.expected_error:
+        lines = outcome.err.strip().splitlines()
+        if outcome.status != 2 or not lines or not lines[-1].startswith(command.expected_error.rstrip('.')):
+            return f'expected the error {command.expected_error!r}, got status {outcome.status}: {outcome.err[-800:]}'
+        return None
+    if outcome.status != 0:
+        return f'exit status {outcome.status}: {(outcome.err or outcome.out)[-1500:]}'
+    for flag in ('--output', '--json'):
+        if flag in words and words.index(flag) + 1 < len(words):
+            target = Path(words[words.index(flag) + 1])
+            if not target.exists() or (target.is_dir() and not any(target.iterdir())):
+                return f'{flag} {target} was not written'
+    return None

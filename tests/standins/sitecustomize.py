@@ -1,0 +1,10 @@
+"""In a child process an example starts (`torchrun`, a command with an environment assignment): the same stand-ins
+as the test process (`tests/examples.py`), when `TIMM_AFFINEDIV_EXAMPLE_STANDINS` is set; nothing otherwise."""
+import os
+import sys
+
+if os.environ.get('TIMM_AFFINEDIV_EXAMPLE_STANDINS'):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import examples
+
+    examples.apply_in_child()

@@ -1,0 +1,109 @@
+"""Every command README, docs/ and the `--help` of every command and script show runs as written, under the stand-ins
+of `examples.py` (narrow models, a small Fashion-MNIST, a loopback Hub, capped budgets): exit status 0 and the output
+it names written, or exactly the error line the document shows."""
+import contextlib
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from examples import (
+    PREPARED,
+    Example,
+    StandIns,
+    applied,
+    check,
+    doc_examples,
+    help_examples,
+    make_fashion_mnist,
+    make_image_folder,
+    prepare_inputs,
+    run_command,
+)
+from hub_server import HubServer, Repo
+from safetensors.torch import save_file
+
+from timm_affinediv.commands import main as cli_main
+from timm_affinediv.data import FASHION_MNIST_DIR
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(FASHION_MNIST_DIR, 'train-images-idx3-ubyte.gz')),
+    reason='needs Debian dataset-fashion-mnist (make setup installs it)')
+
+
+def _help_text(words):
+    from examples import _in_process
+    return _in_process([*words, '--help']).out
+
+
+EXAMPLES = doc_examples() + help_examples(_help_text)
+
+
+@pytest.fixture(scope='module')
+def standins(tmp_path_factory):
+    """The stand-in data and Hub, applied in this process for the module's tests."""
+    tmp = tmp_path_factory.mktemp('standins')
+    fashion = make_fashion_mnist(tmp / 'fashion-mnist', FASHION_MNIST_DIR)
+    with HubServer() as hub:
+        record = StandIns(str(fashion), hub.url, str(tmp / 'hf_home'))
+        with applied(record):
+            torch.manual_seed(0)
+            model = timm.create_model('resnet50.a1_in1k')
+            saved = tmp / 'resnet50.safetensors'
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(saved))
+            hub.repos['timm/resnet50.a1_in1k'] = repo = Repo(private=False)
+            repo.commit('main', {'model.safetensors': saved.read_bytes()}, 'stand-in weights')
+            yield record
+
+
+@pytest.fixture(scope='module')
+def store(standins, tmp_path_factory) -> Path:
+    """The prepared inputs (`examples.PREPARED`), made once."""
+    store = tmp_path_factory.mktemp('prepared')
+    cwd = os.getcwd()
+    os.chdir(store)
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            status = cli_main(['pipeline', '--output', 'runs/demo'])
+        assert status == 0, out.getvalue()[-2000:]
+    finally:
+        os.chdir(cwd)
+    demo = store / 'runs' / 'demo'
+    for name, source in (('runs/converted', 'converted'), ('runs/resnet18-patchnorm', 'converted'),
+                         ('runs/baseline', 'baseline')):
+        shutil.copytree(demo / source, store / name)
+    for name in ('baseline.safetensors', 'model.safetensors'):
+        shutil.copy2(demo / 'baseline' / 'model.safetensors', store / name)
+    make_image_folder(store / 'images')
+    from examples import ARGS_YAML
+    (store / 'args.yaml').write_text(ARGS_YAML)
+    (store / 'run').mkdir()
+    model = timm.create_model('tinynet_e', num_classes=10, in_chans=1)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(store / 'run' / 'model.safetensors'))
+    assert all((store / name).exists() for name in PREPARED), sorted(PREPARED)
+    return store
+
+
+@pytest.mark.parametrize('example', EXAMPLES, ids=[e.source for e in EXAMPLES])
+def test_every_shown_command_runs_as_written(example: Example, store, tmp_path, monkeypatch):
+    prepare_inputs(tmp_path, store, example)
+    monkeypatch.chdir(tmp_path)
+    problems = []
+    for command in example.commands:
+        assert ' ... ' not in f' {command.text} ', f'{example.source}: `{command.text}` elides part of the command'
+        words, outcome = run_command(command)
+        problem = check(command, words, outcome)
+        if problem:
+            problems.append(f'`{command.text}` (run as `{" ".join(words)}`): {problem}')
+    assert not problems, f'{example.source}:\n' + '\n'.join(problems)
+
+
+def test_the_examples_are_found():
+    sources = {e.source for e in EXAMPLES}
+    assert {'README.md', 'docs/conversion.md', 'docs/training.md', 'timm-affinediv convert --help',
+            'timm-affinediv finetune --help', 'python scripts/bench.py --help'} <= sources, sorted(sources)
+    assert sum(len(e.commands) for e in EXAMPLES) >= 60
