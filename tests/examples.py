@@ -250,11 +250,16 @@ def make_fashion_mnist(folder: Path, source: str) -> Path:
     return folder
 
 
-def make_image_folder(folder: Path, per_class: int = 3) -> Path:
-    """`folder/{train,validation}/<class>/*.png`: Fashion-MNIST images (the stand-in copy), `per_class` a class."""
+#: Images a class in the stand-in image folder: the training split holds one batch of timm's default size (128).
+IMAGES_PER_CLASS = {'train': 13, 'validation': 3}
+
+
+def make_image_folder(folder: Path) -> Path:
+    """`folder/{train,validation}/<class>/*.png`: Fashion-MNIST images of the stand-in copy."""
     from timm_affinediv.data import FASHION_MNIST_CLASSES, FashionMNIST
     for split, data_split in (('train', 'train'), ('validation', 'validation')):
         dataset = FashionMNIST(split=data_split)
+        per_class = IMAGES_PER_CLASS[split]
         counts = {c: 0 for c in range(len(FASHION_MNIST_CLASSES))}
         for index in range(len(dataset)):
             image, label = dataset[index]
