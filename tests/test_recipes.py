@@ -3,6 +3,7 @@ on a few dozen Fashion-MNIST images, and an interrupted + resumed run with mixup
 import json
 import math
 import os
+import random
 from pathlib import Path
 
 import numpy as np
@@ -387,7 +388,8 @@ def test_posterize_to_zero_bits_gives_the_black_image_pillow_before_13_gave():
     policy.ops = [op for op in policy.ops if 'Posterize' in op.name]
     for op in policy.ops:
         op.prob = 1.
-    images = [policy(rgb) for _ in range(400)]  # m ~ N(9, 0.5): about 2% of the draws reach 10
+    random.seed(0)  # timm draws the magnitudes from Python's random
+    images = [policy(rgb) for _ in range(400)]  # m ~ N(9, 0.5): 2.3% of the draws reach 10
     assert any(not np.asarray(img).any() for img in images)
 
 
