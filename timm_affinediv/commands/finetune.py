@@ -160,7 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = vars(namespace)
     config = args.pop('config')
     if config:
-        _logger.info(f"recipe from {config}: {', '.join(from_config)}")
+        _logger.info(f'recipe from {config}: {len(from_config)} settings, the flags given over them')
     if not args.pop('overwrite') and not _resumes_into(args['resume'], args['output']):
         refuse_existing_output(args['output'], flag='--overwrite, or --resume to continue that run,')
     cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})
