@@ -389,7 +389,7 @@ def test_posterize_to_zero_bits_gives_the_black_image_pillow_before_13_gave():
     for op in policy.ops:
         op.prob = 1.
     random.seed(0)  # timm draws the magnitudes from Python's random
-    images = [policy(rgb) for _ in range(400)]  # m ~ N(9, 0.5): 2.3% of the draws reach 10
+    images = [policy(rgb) for _ in range(400)]  # m ~ N(9, 0.5): 2.3% of the draws reach 10 (docs/training.md)
     assert any(not np.asarray(img).any() for img in images)
 
 
