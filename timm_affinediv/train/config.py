@@ -53,8 +53,8 @@ class TrainConfig:
     gp: Optional[str] = None  # global pool type ('avg', 'max', 'avgmax', ...)
     bn_momentum: Optional[float] = None
     bn_eps: Optional[float] = None
-    head_init_scale: Optional[float] = None  # the new head's weight and bias scaled by it
-    head_init_bias: Optional[float] = None  # the new head's bias set to it
+    head_init_scale: Optional[float] = None  # the head's initial weight and bias scaled by it
+    head_init_bias: Optional[float] = None  # the head's initial bias set to it
     grad_checkpointing: bool = False
     channels_last: bool = False
     torchcompile: Optional[str] = None  # a torch.compile backend ('inductor')
@@ -166,7 +166,7 @@ class TrainConfig:
     eval_metric: str = 'top1'  # 'top1', 'top5' or 'loss': picks the best checkpoint and drives the plateau schedule
     checkpoint_hist: int = 1
     log_interval: int = 50
-    progress: Optional[bool] = None  # progress bars; None: when the output is a terminal, else log lines
+    progress: Optional[bool] = None  # progress bars; None: when stderr is a terminal, else log lines
 
     @property
     def mixup_active(self) -> bool:
@@ -341,7 +341,7 @@ def load_timm_args(path: str) -> Dict[str, Any]:
         if value == '' and key not in _EMPTY_MEANS_SOMETHING:
             value = None
         if key == 'amp_dtype' and value == _TIMM_DEFAULT_AMP_DTYPE:
-            value = None  # float16 on CUDA as in train.py, bfloat16 on CPU (where float16 is far slower)
+            value = None  # float16 on CUDA as in train.py, bfloat16 (the CPU default of `amp`) on CPU
         if isinstance(value, list) and key in _TUPLE_FIELDS:
             value = tuple(value)
         settings[key] = value
