@@ -10,7 +10,11 @@ flags spelled the same for both: train.py takes them with `--device-modules timm
 (each tool's own epoch average, data loading included, mean over the epochs) and the final validation top-1;
 then the mean ratio of images/s and the top-1 mean and spread of each tool over the seeds.
 
-timm's train.py is not in timm's wheel: pass a checkout of https://github.com/huggingface/pytorch-image-models.
+timm's train.py is not in timm's wheel: pass a checkout of https://github.com/huggingface/pytorch-image-models,
+best at the tag of the installed timm (`git checkout v1.0.31`). train.py runs with the installed timm, not the
+checkout's (`python script.py` would put the checkout first on sys.path): it is started through `runpy` from
+another folder, as `python -P train.py` does on Python 3.11+. Printed first: the train.py commit, the checkout's
+timm version, and the timm that train.py and finetune imported.
 """
 import csv
 import json
@@ -54,21 +58,45 @@ def write_image_folder(root: Path, train_images: int, val_images: int) -> None:
             img.save(root / split / str(label) / f'{i:05d}.png')
 
 
+# runs a script with the installed packages: `-c` puts only the working folder (not the checkout) on sys.path, and
+# the timm train.py imported is reported first
+_RUN_WITH_INSTALLED_TIMM = (
+    "import runpy, sys, timm; print(f'[timm {timm.__version__} {timm.__file__}]', flush=True); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def describe_checkout(timm_dir: Path) -> str:
+    """The checkout's commit (and tag) and the timm version it holds."""
+    def git(*args: str) -> str:
+        done = subprocess.run(['git', '-C', str(timm_dir), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ''
+
+    commit = git('rev-parse', 'HEAD') or 'unknown commit (not a git checkout)'
+    tag = git('describe', '--tags', '--exact-match')
+    version = re.search(r"__version__\s*=\s*'([^']+)'", (timm_dir / 'timm' / 'version.py').read_text()) \
+        if (timm_dir / 'timm' / 'version.py').is_file() else None
+    return (f"train.py of {timm_dir} at {commit}{f' ({tag})' if tag else ''}, whose timm is "
+            f"{version.group(1) if version else 'unknown'}")
+
+
 def run_train_py(timm_dir: Path, data: Path, out: Path, flags: list) -> dict:
-    cmd = [sys.executable, str(timm_dir / 'train.py'), '--data-dir', str(data), '--device-modules', 'timm_affinediv',
-           '--sched-on-updates', '--output', str(out), '--experiment', 'run', '--log-interval', '10',
-           '--checkpoint-hist', '1', *flags]
-    log = subprocess.run(cmd, capture_output=True, text=True, cwd=timm_dir)
+    cmd = [sys.executable, '-c', _RUN_WITH_INSTALLED_TIMM, str(timm_dir / 'train.py'), '--data-dir', str(data),
+           '--device-modules', 'timm_affinediv', '--sched-on-updates', '--output', str(out), '--experiment', 'run',
+           '--log-interval', '10', '--checkpoint-hist', '1', *flags]
+    log = subprocess.run(cmd, capture_output=True, text=True, cwd=out.parent)
     if log.returncode:
         raise SystemExit(f'train.py failed:\n{log.stderr[-3000:]}')
     text = log.stdout + log.stderr
+    imported = re.search(r'\[timm (\S+) (\S+)\]', text)
+    if imported is None or Path(imported.group(2)).resolve().is_relative_to(timm_dir.resolve()):
+        raise SystemExit(f"train.py imported the checkout's timm, not the installed one: {imported and imported[0]}")
     # the last 'Train: E [i/n] ... (0.123s,  520.3/s)' line of each epoch holds that epoch's average rate
     rates = {}
     for epoch, rate in re.findall(r'Train: (\d+) \[.*?\(\s*[\d.]+s,\s*([\d.]+)/s\)', text):
         rates[int(epoch)] = float(rate)
     with open(out / 'run' / 'summary.csv') as f:
         rows = list(csv.DictReader(f))
-    return dict(img_s=statistics.mean(rates.values()), top1=float(rows[-1]['eval_top1']))
+    return dict(img_s=statistics.mean(rates.values()), top1=float(rows[-1]['eval_top1']), timm=imported.group(1))
 
 
 def run_finetune(data: Path, out: Path, flags: list) -> dict:
@@ -93,6 +121,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not (args.timm_dir / 'train.py').is_file():
         raise SystemExit(f'{args.timm_dir} holds no train.py: give a checkout of pytorch-image-models.')
+    import timm
+    print(f'{describe_checkout(args.timm_dir)}; run with the installed timm {timm.__version__} ({timm.__file__})',
+          flush=True)
     work = Path(tempfile.mkdtemp(prefix='compare-train-py-'))
     try:
         write_image_folder(work / 'data', args.train_images, args.val_images)
@@ -102,6 +133,8 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             timm_run = run_train_py(args.timm_dir.resolve(), work / 'data', work / f'train_py-{seed}', flags)
             ours = run_finetune(work / 'data', work / f'finetune-{seed}', flags)
+            if timm_run['timm'] != timm.__version__:
+                raise SystemExit(f"train.py ran with timm {timm_run['timm']}, finetune with {timm.__version__}")
             rows.append((seed, timm_run, ours))
             print(f'seed {seed}: train.py {timm_run["img_s"]:.0f} img/s top-1 {timm_run["top1"]:.2f} | finetune '
                   f'{ours["img_s"]:.0f} img/s top-1 {ours["top1"]:.2f} ({time.perf_counter() - start:.0f} s)',

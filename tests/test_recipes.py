@@ -1,7 +1,12 @@
 """timm's recipe language in the trainer: one test per flag group, each training a few steps of a narrow ResNet
 on a few dozen Fashion-MNIST images, and an interrupted + resumed run with mixup and RandAugment, bit for bit."""
+import json
+import math
 import os
+import random
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -9,6 +14,7 @@ from safetensors.torch import load_file
 from test_train import _interrupt_at_update  # SIGINT after an optimiser update, as Ctrl-C
 from timm.data import FastCollateMixup, Mixup
 from timm.data.auto_augment import RandAugment
+from timm.data.distributed_sampler import RepeatAugSampler
 from timm.data.random_erasing import RandomErasing
 from timm.loss import BinaryCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DistributedSampler
@@ -171,11 +177,18 @@ def test_config_yaml_of_train_py(tmp_path):
         load_timm_args(str(file))
 
 
-def test_resume_with_mixup_and_randaugment_is_bit_exact(tmp_path):
-    """Two loader processes: RandAugment and the mixing draw there, the erasing on the device."""
-    settings = dict(epochs=2, train_subset=48, aa='rand-m9-mstd0.5', reprob=0.25, mixup=0.2, cutmix=1.0,
-                    drop_path=0.1, layer_decay=0.75, sched_on_updates=True, warmup_epochs=1, workers=2)
-    full = Trainer(recipe(tmp_path / 'full', **settings)).fit()
+def test_resume_with_mixup_randaugment_and_aug_repeats_is_bit_exact(tmp_path):
+    """Two loader processes: RandAugment and the mixing draw there, the erasing on the device; repeated
+    augmentation (timm's RepeatAugSampler) gives each image 3 times an epoch, each copy augmented anew."""
+    settings = dict(epochs=2, train_subset=48, aa='rand-m9-mstd0.5-inc1', reprob=0.25, mixup=0.2, cutmix=1.0,
+                    drop_path=0.1, layer_decay=0.75, sched_on_updates=True, warmup_epochs=1, workers=2,
+                    aug_repeats=3)
+    trainer = Trainer(recipe(tmp_path / 'full', **settings))
+    sampler = trainer.train_loader.sampler
+    assert isinstance(sampler, RepeatAugSampler) and len(trainer.train_loader) == 3
+    order = list(sampler)
+    assert len(order) == 48 and order[0::3] == order[1::3] == order[2::3] and len(set(order)) == 16
+    full = trainer.fit()
     interrupted = Trainer(recipe(tmp_path / 'cut', **settings))
     _interrupt_at_update(interrupted, 4)  # 3 updates per epoch: in the middle of epoch 1
     with pytest.raises(TrainingInterrupted):
@@ -315,3 +328,100 @@ def test_batchnorm_initial_checkpoint_for_patchnorm_is_refused(tmp_path):
     save_file(timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW).state_dict(), str(file))
     with pytest.raises(ConfigError, match=r"BatchNorm model's.*timm-affinediv convert"):
         Trainer(recipe(tmp_path / 'run', initial_checkpoint=str(file)))
+
+
+# ---- timm's published recipes, as train.py's args.yaml, through `finetune --config` unchanged
+
+RECIPES = Path(__file__).parent / 'data' / 'recipes'
+#: What stands in for a recipe's ImageNet-sized run, and nothing else: a narrow model of its `model`'s family, and
+#: Fashion-MNIST subsets at 32x32 with a batch that fits them, for one epoch on the CPU. Every other setting is the
+#: file's (docs/training.md, "timm's published recipes").
+STAND_IN_MODELS = {
+    'resnet50': ['--model', 'resnet18', '--model-kwargs', 'channels=(16,32,64,128)', 'stem_width=16',
+                 '--norm-layer', 'patchnorm'],
+    'convnext_tiny': ['--model', 'convnext_atto', '--model-kwargs', 'dims=(16,32,64,128)'],
+    'deit_base_patch16_224': ['--model', 'deit_tiny_patch16_224', '--model-kwargs', 'img_size=32', 'patch_size=8',
+                              'depth=2', 'embed_dim=48', 'num_heads=3'],
+}
+STAND_IN_DATA = ['--dataset', 'fashion-mnist', '--num-classes', '10', '--img-size', '32', '--train-subset', '64',
+                 '--val-subset', '32', '-b', '32', '--epochs', '1', '-j', '0']
+STOOD_IN = {'model', 'model_kwargs', 'norm_layer', 'dataset', 'num_classes', 'img_size', 'train_subset', 'val_subset',
+            'batch_size', 'epochs', 'workers'}
+
+
+@pytest.mark.parametrize('name', sorted(p.stem for p in RECIPES.glob('*.yaml')))
+def test_published_recipe_runs_unchanged_through_finetune_config(name, tmp_path):
+    """ResNet strikes back A1/A2/A3 (LAMB, BCE with a target threshold, repeated augmentation, RandAugment with
+    increasing severity), ConvNeXt's and DeiT's recipes: every setting of the file reaches the run."""
+    from timm_affinediv.commands import finetune
+    file = RECIPES / f'{name}.yaml'
+    recipe_args = yaml.safe_load(file.read_text())
+    assert finetune.main(['--config', str(file), *STAND_IN_MODELS[recipe_args['model']], *STAND_IN_DATA,
+                          '--output', str(tmp_path)]) == 0
+    used = json.loads((tmp_path / 'train_config.json').read_text())
+    taken = {k: v for k, v in recipe_args.items() if k in used and k not in STOOD_IN | {'device', 'resume', 'output',
+                                                                                        'workers', 'log_interval',
+                                                                                        'checkpoint_hist', 'amp_dtype'}}
+    assert len(taken) > 90
+    for key, value in taken.items():
+        expected = None if value == '' and key not in ('dataset', 'interpolation', 'lr_base_scale') else value
+        assert used[key] == expected, key
+    assert used['amp_dtype'] is None  # train.py's default float16: the device's choice, bfloat16 on the CPU
+    history = json.loads((tmp_path / 'metrics.json').read_text())
+    assert len(history) == 1 and math.isfinite(history[0]['train_loss'])
+    assert (tmp_path / 'model' / 'model.safetensors').is_file()
+
+
+def test_posterize_to_zero_bits_gives_the_black_image_pillow_before_13_gave():
+    """`-inc1` RandAugment keeps 4 - int(4 m / 10) bits: 0 from magnitude 10, which Pillow 13 refuses."""
+    from PIL import Image, ImageOps
+    from timm.data.auto_augment import AugmentOp, rand_augment_transform
+
+    import timm_affinediv.data  # noqa: F401  installs the shim
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    for img in (rgb, rgb.convert('L')):
+        black = AugmentOp('PosterizeIncreasing', prob=1., magnitude=10)(img)
+        assert (black.mode, black.size) == (img.mode, img.size) and not np.asarray(black).any()
+        two_bits = AugmentOp('PosterizeIncreasing', prob=1., magnitude=5)(img)  # 4 - int(2.0) = 2 bits
+        assert np.array_equal(np.asarray(two_bits), np.asarray(ImageOps.posterize(img, 2)))
+    policy = rand_augment_transform('rand-n1-m9-mstd0.5-inc1', {})
+    policy.ops = [op for op in policy.ops if 'Posterize' in op.name]
+    for op in policy.ops:
+        op.prob = 1.
+    random.seed(0)  # timm draws the magnitudes from Python's random
+    images = [policy(rgb) for _ in range(400)]  # m ~ N(9, 0.5): 2.3% of the draws reach 10 (docs/training.md)
+    assert any(not np.asarray(img).any() for img in images)
+
+
+@pytest.mark.filterwarnings('ignore:PlateauLRScheduler is deprecated:FutureWarning')
+@pytest.mark.parametrize('metric', ['loss', 'top1'])
+def test_eval_metric_picks_best_checkpoint_and_plateau_mode(tmp_path, metric):
+    """train.py's --eval-metric: the best checkpoint and the plateau schedule follow it (loss: lower is better);
+    --no-resume-opt resumes the weights without the optimiser state."""
+    with pytest.raises(ConfigError, match='--sched-on-epochs'):
+        TrainConfig(sched='plateau').validate()  # timm's plateau schedule steps per epoch only
+    trainer = Trainer(recipe(tmp_path, epochs=2, train_subset=16, eval_metric=metric, sched='plateau',
+                             sched_on_updates=False))
+    assert trainer.scheduler.lr_scheduler.mode == ('min' if metric == 'loss' else 'max')
+    scripted = iter([dict(loss=1.0, top1=50., top5=90., img_s=1.), dict(loss=0.5, top1=40., top5=90., img_s=1.)])
+    trainer.evaluate = lambda model=None: next(scripted)
+    trainer.fit()
+    best = json.loads((tmp_path / 'checkpoints' / 'best.json').read_text())
+    assert best['checkpoint'] == ('epoch-0001' if metric == 'loss' else 'epoch-0000')
+    if metric == 'loss':
+        assert Trainer(recipe(tmp_path, epochs=2, train_subset=16, resume=str(tmp_path))).optimizer.state
+        assert not Trainer(recipe(tmp_path, epochs=2, train_subset=16, resume=str(tmp_path),
+                                  no_resume_opt=True)).optimizer.state
+
+
+def test_train_py_model_flags(tmp_path):
+    """--gp / --bn-momentum / --bn-eps reach timm.create_model (as train.py passes them); --head-init-scale and
+    --head-init-bias set the new head; an argument the architecture lacks is one clear error."""
+    from timm_affinediv.train.trainer import create_train_model
+    model = create_train_model(TrainConfig(model='tinynet_e', gp='max', bn_momentum=0.5, bn_eps=1e-3), in_chans=1)
+    assert model.global_pool.pool_type == 'max'
+    assert {(m.momentum, m.eps) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)} == {(0.5, 1e-3)}
+    with pytest.raises(ConfigError, match='bn_momentum'):
+        create_train_model(TrainConfig(model='resnet18', bn_momentum=0.5), in_chans=1)
+    trainer = Trainer(recipe(tmp_path, head_init_scale=0., head_init_bias=0.25))
+    assert not trainer.model.fc.weight.any() and torch.all(trainer.model.fc.bias == 0.25)

@@ -1,5 +1,6 @@
 """Tests of the data module and the trainer: tiny timm ResNets on a few hundred Fashion-MNIST images, on CPU."""
 import copy
+import io
 import json
 import os
 import signal
@@ -376,3 +377,24 @@ def test_evaluate_counts_every_sample_and_restores_the_mode():
     assert metrics['top5'] == pytest.approx(100 * (top5 == target[:, None]).any(1).float().mean().item())
     with pytest.raises(ConfigError, match='empty'):
         evaluate(model, [])
+
+
+@pytest.mark.parametrize('terminal', [True, False])
+def test_progress_bars_on_a_terminal_log_lines_otherwise(tmp_path, monkeypatch, caplog, terminal):
+    """tqdm writes to stderr: bars there when it is a terminal; in a file, one log line every --log-interval
+    updates instead of thousands of carriage-return updates."""
+    class Stderr(io.StringIO):
+        def isatty(self) -> bool:
+            return terminal
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, 'stderr', stderr)
+    cfg = tiny_config(tmp_path, epochs=1, train_subset=64, val_subset=16, batch_size=16, log_interval=2, progress=None)
+    with caplog.at_level('INFO', logger='timm_affinediv.train.trainer'):
+        Trainer(cfg).fit()  # 4 updates
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('train 0 [')]
+    if terminal:
+        assert '\r' in stderr.getvalue() and 'train 0' in stderr.getvalue() and not lines
+    else:
+        assert stderr.getvalue() == '' and [line.split(']')[0] for line in lines] == ['train 0 [2/4', 'train 0 [4/4']
+        assert all(' loss ' in line and ' lr ' in line for line in lines)

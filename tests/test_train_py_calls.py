@@ -96,3 +96,39 @@ def test_resume_checkpoint_as_train_py_writes_it(tmp_path):
     state, fresh_state = optimizer.state_dict()['state'], fresh_optimizer.state_dict()['state']
     assert state.keys() == fresh_state.keys() and all(
         torch.equal(state[i]['exp_avg'], fresh_state[i]['exp_avg']) for i in state)
+
+
+_FAKE_TRAIN_PY = '''import argparse, os, timm
+p = argparse.ArgumentParser()
+p.add_argument('--output')
+p.add_argument('--experiment')
+args, _ = p.parse_known_args()
+os.makedirs(os.path.join(args.output, args.experiment))
+with open(os.path.join(args.output, args.experiment, 'summary.csv'), 'w') as f:
+    f.write('epoch,eval_top1\\n0,12.5\\n')
+print('Train: 0 [  10/10 (100%)]  Loss: 1.0 (1.0)  Time: 0.1s,  640.00/s  (0.100s,  640.00/s)')
+'''
+
+
+def test_compare_train_py_runs_a_checkouts_train_py_with_the_installed_timm(tmp_path):
+    """A checkout's own timm package (here one that fails on import) is not the one its train.py gets; the commit
+    and the checkout's timm version are reported."""
+    import importlib.util
+    import subprocess
+
+    from conftest import SCRIPTS
+    spec = importlib.util.spec_from_file_location('compare_train_py', SCRIPTS / 'compare_train_py.py')
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    checkout = tmp_path / 'pytorch-image-models'
+    (checkout / 'timm').mkdir(parents=True)
+    (checkout / 'timm' / '__init__.py').write_text("raise ImportError('the checkout timm was imported')\n")
+    (checkout / 'timm' / 'version.py').write_text("__version__ = '1.0.29.dev0'\n")
+    (checkout / 'train.py').write_text(_FAKE_TRAIN_PY)
+    git = ['git', '-C', str(checkout), '-c', 'user.name=t', '-c', 'user.email=t@t']
+    for args in (['init', '-q'], ['add', '.'], ['commit', '-qm', 'train.py']):
+        subprocess.run(git + args, check=True)
+    commit = subprocess.run(git + ['rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
+    assert compare.describe_checkout(checkout) == f'train.py of {checkout} at {commit}, whose timm is 1.0.29.dev0'
+    result = compare.run_train_py(checkout, tmp_path / 'data', tmp_path / 'train_py-0', [])
+    assert result == dict(img_s=640.0, top1=12.5, timm=timm.__version__)

@@ -20,11 +20,15 @@ import numpy as np
 import torch
 from PIL import Image
 from timm.data import FastCollateMixup, create_dataset, create_transform, resolve_data_config
+from timm.data.distributed_sampler import RepeatAugSampler
 from timm.data.loader import fast_collate
 from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 
+from ._pillow_compat import install_posterize_shim
 from .errors import DataError
+
+install_posterize_shim()  # timm's RandAugment posterize to 0 bits under Pillow 13
 
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
@@ -327,10 +331,14 @@ def create_train_loader(
         augment: Optional[Dict[str, Any]] = None,
         prefetcher: bool = True,
         mixup: Optional[Dict[str, Any]] = None,
+        aug_repeats: float = 0,
         pin_memory: bool = False,
 ) -> DataLoader:
     """Training loader: `timm.data.create_transform(**data_config, is_training=True, **augment)`, shuffled by a
-    `DistributedSampler` (also with one process), or, for a stream, in the stream's own order.
+    `DistributedSampler` (also with one process), or, for a stream, in the stream's own order. `aug_repeats` > 0:
+    timm's `RepeatAugSampler` (train.py's `--aug-repeats`): each image `aug_repeats` times an epoch, augmented anew
+    each time, the copies spread over the processes; an epoch keeps the dataset's length (rounded down to a multiple
+    of 256 / processes when it has 256 images or more), its order depends on the epoch alone, as in train.py.
 
     `augment` holds `create_transform`'s training arguments by their timm names (`auto_augment`, `re_prob`,
     `scale`, `hflip`, ...). With `prefetcher` (timm train.py's default), batches are uint8 (`fast_collate`, or
@@ -349,15 +357,20 @@ def create_train_loader(
         if subset:
             raise DataError(f"a streamed dataset ('{name}') has no random access for a subset: pass "
                             f'--train-num-samples {subset} to shorten its epochs instead.')
+        if aug_repeats:
+            raise DataError(f"a streamed dataset ('{name}') has no random access to repeat images: leave out "
+                            f'--aug-repeats.')
         sampler = None
     else:
         dataset = _subset(dataset, subset)
-        sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    if len(dataset) < batch_size * (1 if sampler is None else world_size):
+        sampler = RepeatAugSampler(dataset, num_replicas=world_size, rank=rank, num_repeats=aug_repeats) \
+            if aug_repeats else DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    per_process = len(dataset) if sampler is None else len(sampler)
+    if per_process < batch_size:
         raise DataError(
-            f'the training set has {len(dataset)} images, fewer than one batch ({batch_size} x {world_size} '
-            f'processes); lower --batch-size or use more data.')
+            f'the training set gives {per_process} images an epoch to each of {world_size} processes, fewer than one '
+            f'batch ({batch_size}); lower --batch-size or use more data.')
     collate = None
     if prefetcher and mixup:  # the dataset's class count first, as the trainer sizes the head
         collate = FastCollateMixup(**{**mixup, 'num_classes': dataset_num_classes(dataset) or mixup['num_classes']})

@@ -43,7 +43,14 @@ from timm_affinediv.commands import command_parser
 from timm_affinediv.commands.recipe_args import add_recipe_arguments, parse_with_config
 from timm_affinediv.data import DataError
 from timm_affinediv.pipeline import final_top1, publish_run
-from timm_affinediv.train import NonFiniteLossError, TrainConfig, Trainer, TrainingError, TrainingInterrupted
+from timm_affinediv.train import (
+    EVAL_METRICS,
+    NonFiniteLossError,
+    TrainConfig,
+    Trainer,
+    TrainingError,
+    TrainingInterrupted,
+)
 
 _logger = logging.getLogger('finetune')
 
@@ -114,9 +121,16 @@ def add_run_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('--resume', metavar='PATH', type=existing_path,
                    help='continue from a run folder or checkpoint folder, bit for bit; a streamed dataset (wds/, '
                         'hfids/, tfds/) continues from the last epoch boundary')
+    g.add_argument('--no-resume-opt', action='store_true',
+                   help='with --resume, restore the weights but not the optimiser state (not bit for bit then)')
+    g.add_argument('--eval-metric', default=d.eval_metric, choices=EVAL_METRICS,
+                   help='validation metric that picks the best checkpoint and drives --sched plateau')
     g.add_argument('--checkpoint-hist', type=positive_int, default=d.checkpoint_hist, help='epoch checkpoints to keep')
-    g.add_argument('--log-interval', type=positive_int, default=d.log_interval, help='updates between loss checks')
-    g.add_argument('--no-progress', dest='progress', action='store_false', help='no progress bars')
+    g.add_argument('--log-interval', type=positive_int, default=d.log_interval,
+                   help='updates between loss checks, and between log lines when there are no progress bars')
+    g.add_argument('--no-progress', dest='progress', action='store_false', default=None,
+                   help='no progress bars (default: bars when stderr is a terminal, else a log line every '
+                        '--log-interval updates)')
 
 
 #: The flag groups of the command line, in --help order; each adds flags whose `dest` is a `TrainConfig` field.
@@ -147,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = vars(namespace)
     config = args.pop('config')
     if config:
-        _logger.info(f"recipe from {config}: {', '.join(from_config)}")
+        _logger.info(f'recipe from {config}: {len(from_config)} settings, the flags given over them')
     if not args.pop('overwrite') and not _resumes_into(args['resume'], args['output']):
         refuse_existing_output(args['output'], flag='--overwrite, or --resume to continue that run,')
     cfg = TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items() if v is not None})

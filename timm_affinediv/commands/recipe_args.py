@@ -22,6 +22,11 @@ def add_recipe_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('--drop', type=unit_interval, default=d.drop, metavar='PCT', help='dropout rate')
     g.add_argument('--drop-path', type=unit_interval, metavar='PCT', help='drop path (stochastic depth) rate')
     g.add_argument('--drop-block', type=unit_interval, metavar='PCT', help='drop block rate')
+    g.add_argument('--gp', metavar='POOL', help="global pool type ('avg', 'max', 'avgmax', 'catavgmax')")
+    g.add_argument('--bn-momentum', type=unit_interval, help='BatchNorm momentum (EfficientNet-family models)')
+    g.add_argument('--bn-eps', type=positive_float, help='BatchNorm epsilon (EfficientNet-family models)')
+    g.add_argument('--head-init-scale', type=float, metavar='SCALE', help="scale the head's initial weight and bias")
+    g.add_argument('--head-init-bias', type=float, metavar='BIAS', help="set the head's initial bias")
     g.add_argument('--grad-checkpointing', action='store_true', help='gradient checkpointing through blocks/stages')
     g.add_argument('--channels-last', action='store_true', help='channels_last memory layout')
     g.add_argument('--torchcompile', nargs='?', const='inductor', metavar='BACKEND',
@@ -60,6 +65,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     g.add_argument('--recount', type=positive_int, default=d.recount, help='random erase count')
     g.add_argument('--train-interpolation', default=d.train_interpolation, metavar='NAME',
                    help="training resize interpolation ('random', 'bilinear', 'bicubic')")
+    g.add_argument('--aug-repeats', type=non_negative_float, default=d.aug_repeats, metavar='N',
+                   help="repeated augmentation: each image N times an epoch (timm's RepeatAugSampler; 0: off)")
 
     g = p.add_argument_group('mixup / cutmix (timm Mixup) and the loss')
     g.add_argument('--mixup', type=non_negative_float, default=d.mixup, help='mixup alpha, on if > 0')

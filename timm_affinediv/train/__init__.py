@@ -1,6 +1,7 @@
 """Training and fine-tuning timm models (PatchNorm or any other): `Trainer` runs the epochs, the rest is its parts."""
 from .checkpoint import resolve_checkpoint
 from .config import (
+    EVAL_METRICS,
     CheckpointError,
     ConfigError,
     NonFiniteLossError,

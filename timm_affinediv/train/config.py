@@ -9,11 +9,13 @@ import torch.nn as nn
 from ..errors import CheckpointError, ConfigError, NonFiniteLossError, TrainingError
 
 __all__ = ['TrainConfig', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError', 'NonFiniteLossError',
-           'TrainingInterrupted', 'AMP_DTYPES', 'DEFAULT_LR', 'load_timm_args']
+           'TrainingInterrupted', 'AMP_DTYPES', 'EVAL_METRICS', 'DEFAULT_LR', 'load_timm_args']
 
 _logger = logging.getLogger(__name__)
 
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
+#: the metrics `eval_metric` may name (`loss` is better when lower)
+EVAL_METRICS = ('top1', 'top5', 'loss')
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -48,6 +50,11 @@ class TrainConfig:
     drop: float = 0.
     drop_path: Optional[float] = None
     drop_block: Optional[float] = None
+    gp: Optional[str] = None  # global pool type ('avg', 'max', 'avgmax', ...)
+    bn_momentum: Optional[float] = None
+    bn_eps: Optional[float] = None
+    head_init_scale: Optional[float] = None  # the head's initial weight and bias scaled by it
+    head_init_bias: Optional[float] = None  # the head's initial bias set to it
     grad_checkpointing: bool = False
     channels_last: bool = False
     torchcompile: Optional[str] = None  # a torch.compile backend ('inductor')
@@ -70,6 +77,7 @@ class TrainConfig:
     batch_size: int = 128
     validation_batch_size: Optional[int] = None
     workers: int = 2
+    aug_repeats: float = 0  # > 0: timm's RepeatAugSampler, each image this many times an epoch, augmented anew
     no_prefetcher: bool = False  # train.py's: workers send normalised float batches, mixup runs in this process
     # augmentation (timm.data.create_transform) and regularisation
     no_aug: bool = False
@@ -154,9 +162,11 @@ class TrainConfig:
     device: Optional[str] = None  # None: cuda if available, else cpu
     output: str = 'runs/finetune'
     resume: Optional[str] = None
+    no_resume_opt: bool = False  # resume the weights, not the optimiser / loss-scaler state
+    eval_metric: str = 'top1'  # 'top1', 'top5' or 'loss': picks the best checkpoint and drives the plateau schedule
     checkpoint_hist: int = 1
     log_interval: int = 50
-    progress: bool = True
+    progress: Optional[bool] = None  # progress bars; None: when stderr is a terminal, else log lines
 
     @property
     def mixup_active(self) -> bool:
@@ -238,6 +248,11 @@ class TrainConfig:
              f'mean / std need 1 or {channels} values, got {self.mean} / {self.std}'),
             (self.layer_decay is None or 0 < self.layer_decay <= 1,
              f'layer-decay must be in (0, 1], got {self.layer_decay}'),
+            (not (self.sched == 'plateau' and self.sched_on_updates),
+             "the plateau schedule steps once an epoch, on the validation metric: add --sched-on-epochs"),
+            (self.aug_repeats >= 0, f'aug-repeats must be >= 0, got {self.aug_repeats}'),
+            (self.eval_metric in EVAL_METRICS, f"eval-metric must be one of {', '.join(EVAL_METRICS)}, got "
+                                               f"'{self.eval_metric}'"),
         ]
         for ok, message in checks:
             if not ok:
@@ -266,18 +281,30 @@ class TrainResult:
 # train.py settings of the machine or its logging, not of what is trained: a recipe's values are not used
 _TIMM_MACHINE_KEYS = frozenset({
     'data', 'data_dir', 'workers', 'device', 'local_rank', 'device_modules', 'output', 'experiment', 'resume',
-    'no_resume_opt',
+    'no_resume_opt', 'amp_impl', 'apex_amp', 'native_amp',
     'log_wandb', 'wandb_project', 'wandb_tags', 'wandb_resume_id', 'pin_mem', 'no_prefetcher', 'prefetcher',
     'use_multi_epochs_loader', 'worker_seeding', 'save_images', 'recovery_interval', 'val_interval', 'tta',
     'no_ddp_bb', 'synchronize_step', 'fuser', 'dataset_download', 'dataset_trust_remote_code', 'log_interval',
     'checkpoint_hist', 'config', 'dist_bn', 'sync_bn', 'split_bn', 'model_ema_force_cpu', 'input_img_mode'})
 # train.py settings this trainer does not have, by their train.py defaults: a recipe that changes one is refused
+# (docs/training.md says why each is left out); the options of the NaFlex loader, the variable-size schedule and
+# train.py's own distillation only act with `naflex_loader`, `train_img_sizes` or `kd_model_name` set
 _TIMM_UNSUPPORTED = {
-    'aug_splits': 0, 'aug_repeats': 0, 'jsd_loss': False, 'resplit': False, 'model_dtype': None,
-    'naflex_loader': False, 'kd_model_name': None, 'epoch_repeats': 0., 'start_epoch': None, 'train_img_sizes': None,
-    'head_init_scale': None, 'head_init_bias': None, 'gp': None, 'bn_momentum': None, 'bn_eps': None,
-    'fast_norm': False, 'pretrained_path': None, 'class_map': '', 'input_key': None, 'target_key': None,
-    'eval_metric': 'top1', 'drop_connect': None, 'torchscript': False, 'train_batches_per_epoch': None}
+    'aug_splits': 0, 'jsd_loss': False, 'resplit': False, 'model_dtype': None, 'epoch_repeats': 0.,
+    'start_epoch': None, 'fast_norm': False, 'pretrained_path': None, 'class_map': '', 'input_key': None,
+    'target_key': None, 'drop_connect': None, 'torchscript': False, 'train_batches_per_epoch': None,
+    'naflex_loader': False, 'naflex_train_seq_lens': [128, 256, 576, 784, 1024], 'naflex_max_seq_len': 576,
+    'naflex_patch_sizes': None, 'naflex_patch_size_probs': None, 'naflex_loss_scale': 'linear',
+    'naflex_patchify_channels_first': False,
+    'train_img_sizes': None, 'train_batch_sizes': None, 'train_size_probs': None, 'train_size_schedule': 'constant',
+    'train_size_schedule_spread': 0.65, 'train_size_random_mix': 0.1, 'variable_batch_loss_scale': 'none',
+    'kd_model_name': None, 'kd_distill_type': 'logit', 'kd_loss_type': 'kl', 'distill_loss_weight': None,
+    'task_loss_weight': None, 'kd_temperature': 4.0, 'kd_student_feature_dim': None, 'kd_teacher_feature_dim': None,
+    'kd_token_distill_type': 'soft'}
+# train.py's own default of `amp_dtype`, written into every args.yaml: it leaves the choice to the device here
+_TIMM_DEFAULT_AMP_DTYPE = 'float16'
+# settings whose empty string means something (not train.py's "not set"): the image-folder dataset, ...
+_EMPTY_MEANS_SOMETHING = frozenset({'dataset', 'interpolation', 'lr_base_scale'})
 _TUPLE_FIELDS = frozenset(f.name for f in fields(TrainConfig) if 'Tuple' in str(f.type))
 
 
@@ -286,7 +313,8 @@ def load_timm_args(path: str) -> Dict[str, Any]:
 
     Settings of the machine and logging (`device`, `data_dir`, `workers`, `output`, `log_wandb`, ...) are left
     out; a setting this trainer does not have raises `ConfigError` unless it has train.py's default value; other
-    unknown keys are ignored with a warning. Empty strings (train.py's "not set") become None.
+    unknown keys are ignored with a warning. Empty strings (train.py's "not set") become None, but the dataset ''
+    (an image folder). train.py's default `amp_dtype: float16` becomes None: the device's default here.
     """
     import yaml  # timm's own dependency
 
@@ -310,8 +338,10 @@ def load_timm_args(path: str) -> Dict[str, Any]:
     for key, value in recipe.items():
         if key not in known:
             continue
-        if value == '' and key not in ('interpolation', 'lr_base_scale'):
+        if value == '' and key not in _EMPTY_MEANS_SOMETHING:
             value = None
+        if key == 'amp_dtype' and value == _TIMM_DEFAULT_AMP_DTYPE:
+            value = None  # float16 on CUDA as in train.py, bfloat16 (the CPU default of `amp`) on CPU
         if isinstance(value, list) and key in _TUPLE_FIELDS:
             value = tuple(value)
         settings[key] = value

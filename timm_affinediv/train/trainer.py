@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -104,11 +105,16 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
     kwargs.setdefault('in_chans', in_chans)
     if cfg.num_classes and not cfg.initial_checkpoint:
         kwargs.setdefault('num_classes', cfg.num_classes)
-    regularisation = dict(drop_rate=cfg.drop or None, drop_path_rate=cfg.drop_path, drop_block_rate=cfg.drop_block)
-    kwargs.update({k: v for k, v in regularisation.items() if v is not None and k not in kwargs})
+    train_py_args = dict(drop_rate=cfg.drop or None, drop_path_rate=cfg.drop_path, drop_block_rate=cfg.drop_block,
+                         global_pool=cfg.gp, bn_momentum=cfg.bn_momentum, bn_eps=cfg.bn_eps)
+    kwargs.update({k: v for k, v in train_py_args.items() if v is not None and k not in kwargs})
     if ':' not in cfg.model and not timm.is_model(cfg.model):  # 'hf-hub:' / 'local-dir:' names resolve later
         raise ConfigError(f"unknown model '{cfg.model}'; list the names with timm.list_models().")
-    model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
+    try:
+        model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
+    except TypeError as e:  # an argument the architecture lacks (e.g. --bn-momentum: EfficientNet-family models only)
+        raise ConfigError(f"{cfg.model} does not take an argument given to it ({e}); leave out that flag or "
+                          f"--model-kwargs key.") from e
     if cfg.initial_checkpoint:
         state_dict = _read_weights(cfg.initial_checkpoint, 'initial checkpoint')
         classes = _classifier_classes(model, state_dict)
@@ -116,6 +122,24 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
             model = timm.create_model(cfg.model, **kwargs, num_classes=classes)
         _load_weights(model, state_dict, cfg.initial_checkpoint, 'initial checkpoint')
     return model
+
+
+@torch.no_grad()
+def _init_head(model: nn.Module, scale: Optional[float], bias: Optional[float]) -> None:
+    """train.py's `--head-init-scale` (`W, b <- scale W, scale b` of the classifier) and `--head-init-bias`
+    (`b <- bias`)."""
+    if scale is None and bias is None:
+        return
+    head = model.get_classifier() if hasattr(model, 'get_classifier') else None
+    if not isinstance(getattr(head, 'weight', None), torch.Tensor):
+        raise ConfigError(f'--head-init-scale / --head-init-bias need a classifier with weights; '
+                          f'{type(model).__name__} has {type(head).__name__}.')
+    if scale is not None:
+        head.weight.mul_(scale)
+        if head.bias is not None:
+            head.bias.mul_(scale)
+    if bias is not None and head.bias is not None:
+        head.bias.fill_(bias)
 
 
 def create_train_loss(cfg: TrainConfig) -> nn.Module:
@@ -187,7 +211,8 @@ class Trainer:
             cfg.dataset, cfg.data_dir, self.data_config, cfg.batch_size, split=cfg.train_split,
             subset=cfg.train_subset, num_samples=cfg.train_num_samples, seed=cfg.seed,
             augment=cfg.transform_kwargs(), prefetcher=not cfg.no_prefetcher,
-            mixup=cfg.mixup_kwargs(cfg.num_classes) if cfg.mixup_active else None, **loader_args)
+            mixup=cfg.mixup_kwargs(cfg.num_classes) if cfg.mixup_active else None, aug_repeats=cfg.aug_repeats,
+            **loader_args)
         self.val_loader = create_eval_loader(
             cfg.dataset, cfg.data_dir, self.data_config, cfg.validation_batch_size or cfg.batch_size,
             split=cfg.val_split, subset=cfg.val_subset, num_samples=cfg.val_num_samples, **loader_args)
@@ -196,6 +221,7 @@ class Trainer:
         if self.num_classes is None:
             raise ConfigError(f"dataset '{cfg.dataset}' does not say its number of classes: pass --num-classes.")
         _match_head(model, self.num_classes, cfg.num_classes)
+        _init_head(model, cfg.head_init_scale, cfg.head_init_bias)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError('the model has no trainable parameters (all have requires_grad=False).')
         self.model = model.to(self.device)
@@ -335,9 +361,10 @@ class Trainer:
         group_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         group_samples = 0
         batch_size = cfg.batch_size
+        bars = self._progress_bars()
         progress = tqdm(
             total=num_batches, initial=first_batch, desc=f'train {epoch}', unit='batch', leave=False,
-            disable=not (self.is_primary and cfg.progress), dynamic_ncols=True)
+            disable=not bars, dynamic_ncols=True)
         batch_idx = first_batch - 1
         batches = _with_last(loader_iter) if self.stream else (
             (next(loader_iter), i + 1 == num_batches) for i in range(first_batch, num_batches))
@@ -382,7 +409,11 @@ class Trainer:
                 group_samples = 0
                 if self.update_in_epoch % cfg.log_interval == 0:
                     stop = self._sync_check(epoch)  # syncs ranks: the only per-step host sync
-                    progress.set_postfix(loss=f'{loss.item():.4f}', lr=f'{self._lr():.2e}')
+                    if bars:
+                        progress.set_postfix(loss=f'{loss.item():.4f}', lr=f'{self._lr():.2e}')
+                    elif self.is_primary:
+                        _logger.info(f'train {epoch} [{batch_idx + 1}/{num_batches}] loss {loss.item():.4f} '
+                                     f'lr {self._lr():.3e}')
                 else:
                     stop = self._stop_requested and not self.distributed
                 if stop:
@@ -395,6 +426,12 @@ class Trainer:
         return dict(train_loss=(meter[0] / meter[1]).item(),
                     train_img_s=(batch_idx + 1 - first_batch) * batch_size * self.world_size / elapsed)
 
+    def _progress_bars(self) -> bool:
+        """Progress bars on rank 0 when `cfg.progress` says so, or, left unset, when they would go to a terminal
+        (tqdm writes to stderr); otherwise the training loop logs a line every `log_interval` updates."""
+        wanted = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        return self.is_primary and wanted
+
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]['lr']
 
@@ -403,7 +440,7 @@ class Trainer:
         summed over all ranks."""
         return evaluate(model if model is not None else self.model, self.val_loader, device=self.device,
                         autocast=self._autocast, distributed=self.distributed,
-                        progress=self.is_primary and self.cfg.progress, memory_format=self.memory_format)
+                        progress=self._progress_bars(), memory_format=self.memory_format)
 
     def _end_epoch(self, epoch: int, train_metrics: Dict[str, float], epoch_start: float) -> Dict[str, float]:
         """Evaluate, record metrics, step the scheduler and write checkpoint + logs for a finished epoch."""
@@ -415,8 +452,10 @@ class Trainer:
             metrics.update({f'ema_val_{k}': v for k, v in self.evaluate(self.ema.module).items()})
         metrics['epoch_time_s'] = time.perf_counter() - epoch_start
         self.history.append(metrics)
-        key = 'ema_val_top1' if self.ema is not None else 'val_top1'
-        is_best = self.best is None or metrics[key] > self.best[key]
+        key = f"{'ema_' if self.ema is not None else ''}val_{self.cfg.eval_metric}"  # train.py's choice
+        lower_is_better = self.cfg.eval_metric == 'loss'
+        is_best = self.best is None or (metrics[key] < self.best[key] if lower_is_better else
+                                        metrics[key] > self.best[key])
         if is_best:
             self.best = dict(metrics)
         if self.scheduler is not None:
@@ -562,15 +601,19 @@ class Trainer:
             self.model.load_state_dict(weights, strict=True)
             if self.ema is not None:
                 self.ema.module.load_state_dict(ema_weights, strict=True)
-            self.optimizer.load_state_dict(state['optimizer'])
+            if not self.cfg.no_resume_opt:
+                self.optimizer.load_state_dict(state['optimizer'])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(
                 f'checkpoint {path} does not match this model or optimiser ({e}); resume with the settings it was '
                 f'written with (--model, --norm-layer, --opt, ...), or start a new --output.') from e
         if self.scheduler is not None and state['scheduler'] is not None:
             self.scheduler.load_state_dict(state['scheduler'])
-        if self.loss_scaler is not None and state['loss_scaler'] is not None:
+        if self.loss_scaler is not None and state['loss_scaler'] is not None and not self.cfg.no_resume_opt:
             self.loss_scaler.load_state_dict(state['loss_scaler'])
+        if self.cfg.no_resume_opt:
+            _logger.warning('resuming without the optimiser state (--no-resume-opt): the run will not reproduce an '
+                            'uninterrupted one.')
         for key in ('seed', 'batch_size', 'grad_accum_steps', 'world_size'):
             current = getattr(self.cfg, key, None) if key != 'world_size' else self.world_size
             if state[key] != current:
