@@ -11,6 +11,7 @@ except TimmVersionError as error:
     refuse_in_command(error)
     raise
 
+from ._pillow_compat import install_posterize_shim
 from .convert import ConversionError, ConversionReport, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
 from .errors import AffineDivError
@@ -20,3 +21,4 @@ from .layers import register
 from .version import __version__
 
 register()
+install_posterize_shim()  # timm's RandAugment posterize to 0 bits under Pillow 13, train.py's included

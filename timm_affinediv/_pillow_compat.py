@@ -4,8 +4,9 @@ timm's increasing-severity posterize (`rand-m9-mstd0.5-inc1`, the `-inc1` polici
 recipes) keeps `4 - int(4 m / 10)` bits, 0 once a sampled magnitude m reaches 10. Pillow before 13 posterized to
 0 bits as `x & ~(2^8 - 1) = 0`, a black image; Pillow 13 refuses 0 (`bits must be between or equal to 1 and 8`),
 so such a recipe stops mid-epoch. `install_posterize_shim` puts `posterize` in timm's op table: the black image of
-the same mode and size for 0 bits, timm's own op otherwise. Installed at import of `timm_affinediv.data`; the
-ops of a policy are looked up when it is built (`AugmentOp.__init__`), so it acts for policies built afterwards.
+the same mode and size for 0 bits, timm's own op otherwise. `import timm_affinediv` installs it, so train.py's
+`--device-modules timm_affinediv` gets it too; the ops of a policy are looked up when it is built
+(`AugmentOp.__init__`), so it acts for policies built afterwards.
 """
 from PIL import Image
 from timm.data import auto_augment

@@ -25,10 +25,7 @@ from timm.data.loader import fast_collate
 from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 
-from ._pillow_compat import install_posterize_shim
 from .errors import DataError
-
-install_posterize_shim()  # timm's RandAugment posterize to 0 bits under Pillow 13
 
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',

@@ -95,7 +95,7 @@ def train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
     settings = dict(
         model=cfg.model, model_kwargs=dict(cfg.model_kwargs), num_classes=10, dataset='fashion-mnist',
         train_subset=cfg.train_subset, val_subset=cfg.val_subset, batch_size=cfg.batch_size, workers=cfg.workers,
-        seed=cfg.seed, progress=True, train_interpolation='')
+        seed=cfg.seed, train_interpolation='')
     settings.update(overrides)
     return TrainConfig(**settings)
 
