@@ -43,6 +43,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def create_bench_model(name: str, img_size: int, **kwargs) -> torch.nn.Module:
+    """`timm.create_model(name, **kwargs)` for `img_size` inputs: a model with a fixed input size (ViT's patch
+    grid) is built for it; one without takes any size."""
+    try:
+        return timm.create_model(name, img_size=img_size, **kwargs)
+    except TypeError:  # a convolutional network takes no img_size
+        return timm.create_model(name, **kwargs)
+
+
 def paired_rounds(reference, candidate, reps: int, warmup: int = 1):
     """Seconds of `reference` and `candidate` in each of `reps` rounds (after `warmup`), the first alternating."""
     ref_times, cand_times = [], []
@@ -79,7 +88,8 @@ def main(argv=None) -> int:
     print('| model | mode | reference norm | reference s | patchnorm s | ratio (median of rounds) | middle half |')
     print('|---|---|---|---:|---:|---:|---:|')
     for name in args.models:
-        models = [timm.create_model(name), timm.create_model(name, norm_layer='patchnorm')]
+        models = [create_bench_model(name, args.img_size),
+                  create_bench_model(name, args.img_size, norm_layer='patchnorm')]
         for mode in args.modes:
             if mode == 'train':
                 fns = [_train_step(m.train(), torch.optim.SGD(m.parameters(), lr=1e-3), x, y) for m in models]

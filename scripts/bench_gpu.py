@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument('--modes', default='eager,compiled', help='eager and/or compiled (torch.compile)')
     parser.add_argument('--kernels', default='auto', choices=KERNEL_MODES, help="patchnorm's path (auto: Triton "
                         'on CUDA)')
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', choices=('cuda', 'cpu'))
+    parser.add_argument('--device', default='cuda', choices=('cuda', 'cpu'),
+                        help='cpu checks the script end to end (with --quick); its figures are no GPU figures')
     parser.add_argument('--dtype', default=None, choices=('bfloat16', 'float16', 'float32'),
                         help='autocast dtype (default bfloat16 on cuda, float32 on cpu)')
     parser.add_argument('--nchw', action='store_true', help="timm's default layout instead of channels-last")
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument('--json', default=None, metavar='OUT', help='also save the table and environment here')
     args = parser.parse_args(argv)
     if args.device == 'cuda' and not torch.cuda.is_available():
-        parser.error('--device cuda: no CUDA GPU is visible; use --device cpu (with --quick)')
+        parser.error('no CUDA GPU is visible: run it on a GPU machine, or check the script with --device cpu --quick')
     steps, modes = args.steps.split(','), args.modes.split(',')
     if not set(steps) <= {'train', 'inference'} or not set(modes) <= {'eager', 'compiled'}:
         parser.error(f'--steps takes train,inference and --modes eager,compiled; got {args.steps!r}, {args.modes!r}')

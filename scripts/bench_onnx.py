@@ -15,7 +15,7 @@ from pathlib import Path
 
 import timm
 import torch
-from bench import MODELS, paired_rounds
+from bench import MODELS, create_bench_model, paired_rounds
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
 from timm_affinediv.cli import positive_int, run_main
@@ -65,7 +65,8 @@ def main(argv=None) -> int:
             sessions, errors = [], []
             for tag, kwargs in (('reference', {}), ('patchnorm', dict(norm_layer='patchnorm'))):
                 path = Path(tmp) / f'{name}-{tag}.onnx'
-                errors.append(export_onnx(timm.create_model(name, **kwargs), path, input_size, dynamo=args.dynamo))
+                model = create_bench_model(name, args.img_size, **kwargs)
+                errors.append(export_onnx(model, path, input_size, dynamo=args.dynamo))
                 sessions.append(_session(path, args.threads))
             ref, patch = paired_rounds(*(_runner(s, x) for s in sessions), args.reps)
             q1, ratio, q3 = statistics.quantiles([p / r for r, p in zip(ref, patch)], n=4)

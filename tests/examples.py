@@ -7,7 +7,7 @@ with one mechanism changing what it meets, never its flags' names:
 
 - **Stand-in models**: the architectures the docs name (`resnet50`, `convnext_tiny`, `vit_small_patch16_224`, ...)
   are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win).
-- **Stand-in data**: Fashion-MNIST is a 600-image copy in the Debian IDX format; `PATH` is an image folder of
+- **Stand-in data**: Fashion-MNIST is a 384-image copy in the Debian IDX format; `PATH` is an image folder of
   Fashion-MNIST PNGs (`PATH/train/<class>/`, `PATH/validation/<class>/`).
 - **Stand-in Hub**: `HF_ENDPOINT` is a loopback Hub (`hub_server.py`) holding `timm/resnet50.a1_in1k` (the narrow
   stand-in's weights), so `--model resnet50.a1_in1k --pretrained` downloads through timm's real code.
@@ -16,7 +16,7 @@ with one mechanism changing what it meets, never its flags' names:
   itself is not.
 - **Budgets** (`BUDGET`): flag values that set how long a run takes are capped (`--epochs 5` runs 1 epoch,
   `--calib-images 1024` 16 images, `--reps 9` 4 rounds, ...); a full sweep gets its script's own flags for one
-  family or experiment (`SWEEP`).
+  family or experiment, and a measurement script short rounds on small images (`SHORTER`).
 
 Each document's (or `--help`'s) commands run in order in one fresh folder, as a reader would type them, in this
 process (the stand-ins are set here), or, for `torchrun` and an environment assignment, in a child process that
@@ -35,6 +35,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -115,7 +116,7 @@ def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
         assignments, program, rest = m.group(1), m.group(2), (m.group(3) or '').strip()
         # an optional part is run too, unless it elides what it holds (`[--model-kwargs ...]`)
         rest = re.sub(r'\[([^\]]*)\]', lambda o: '' if '...' in o.group(1) else o.group(1), rest)
-        if not in_block and program == 'timm-affinediv' and re.fullmatch(r'[a-z]*', rest):
+        if not in_block and program in ('timm-affinediv', 'torchrun') and re.fullmatch(r'[a-z]*', rest):
             continue  # a command's name in the prose (`timm-affinediv convert`), not a command
         if re.fullmatch(r'[A-Z<][A-Za-z<>-]*(\s+--help)?', rest.split(' ', 1)[0] if rest else ''):
             continue  # a placeholder command (`timm-affinediv COMMAND --help`)
@@ -175,17 +176,25 @@ BUDGET: Dict[str, int] = {
 #: Flags listing several values (runs of the same thing), cut to the first.
 FIRST_ONLY = ('--seeds', '--families')
 
-#: The full sweeps' own flags for one family or experiment, appended to the script's command.
-SWEEP: Dict[str, List[str]] = {
-    'scripts/coverage.py': ['--modules', 'resnet', '--max-params', '1', '--output', 'coverage.md'],
-    'scripts/experiments.py': ['--only', 'mlp', '--quick'],
+#: The measurement scripts' own flags for a short run (one family, one experiment, few rounds, small images), each
+#: appended where the command does not set that flag itself.
+SHORTER: Dict[str, Dict[str, List[str]]] = {
+    'scripts/bench.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
+    'scripts/bench_onnx.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
+    'scripts/bench_convert.py': {'--reps': ['1'], '--batches': ['1', '1'], '--batch-size': ['2', '8']},
+    'scripts/bench_gpu.py': {'--quick': []},
+    'scripts/measure_conversion.py': {'--batch-size': ['8']},
+    'scripts/measure_finetune.py': {'--epochs': ['1'], '--train-subset': ['128']},
+    'scripts/measure_family_conversion.py': {'--test-images': ['64']},
+    'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
+    'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
 }
 
 #: Placeholders the docs use for the reader's own things.
-PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', 'M': 'resnet18', 'RUN/model.safetensors': 'run/model.safetensors',
+PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', 'M': 'tinynet_e', 'RUN/model.safetensors': 'run/model.safetensors',
                                 'PATH/TO/pytorch-image-models': os.environ.get('TIMM_CHECKOUT', 'pytorch-image-models')}
 
-FASHION_MNIST_SIZES = {'train': 400, 't10k': 200}
+FASHION_MNIST_SIZES = {'train': 256, 't10k': 128}
 
 
 def apply_budget(words: List[str]) -> List[str]:
@@ -212,10 +221,12 @@ def apply_budget(words: List[str]) -> List[str]:
             out += values[:1]
             continue
         i += 1
-    for script, extra in SWEEP.items():
-        flags = [w for w in extra if w.startswith('--')]
-        if script in out[:2] and not any(flag in out for flag in ('--help', '--merge', *flags)):
-            out += extra
+    shorter = SHORTER.get(out[1] if len(out) > 1 else '', {})
+    if not any(flag in out for flag in ('--help', '--merge')):
+        for flag, values in shorter.items():
+            short = {'--batch-size': '-b'}.get(flag)
+            if flag not in out and (short is None or short not in out):
+                out += [flag, *values]
     return out
 
 
@@ -407,16 +418,23 @@ def _in_process(words: List[str]) -> Outcome:
         try:
             if words[0] == 'timm-affinediv' or words[:3] == ['python', '-m', 'timm_affinediv']:
                 status = cli_main(words[1 if words[0] == 'timm-affinediv' else 3:])
-            else:
+            else:  # as `python scripts/NAME.py ARGS`: its folder first on sys.path, run as __main__
                 script = SCRIPTS / Path(words[1]).name
                 sys.path.insert(0, str(SCRIPTS))
+                argv, sys.argv = sys.argv, [f'scripts/{script.name}', *words[2:]]
                 try:
-                    module = runpy.run_path(str(script), run_name=f'example_{script.stem}')
-                    status = module['main'](words[2:])
+                    runpy.run_path(str(script), run_name='__main__')
+                    status = 0
                 finally:
+                    sys.argv = argv
                     sys.path.remove(str(SCRIPTS))
         except SystemExit as e:
-            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            status = e.code if isinstance(e.code, int) or e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=err)
+        except Exception:  # a traceback: what a user would see, and a failure
+            status = 1
+            print(traceback.format_exc(), file=err)
     return Outcome(int(status or 0), out.getvalue(), err.getvalue())
 
 
@@ -448,7 +466,7 @@ def missing_resource(words: List[str]) -> Optional[str]:
     device = words[words.index('--device') + 1] if '--device' in words else None
     if not torch.cuda.is_available() and (device == 'cuda' or (words[1:2] == ['scripts/bench_gpu.py'] and
                                                                 device != 'cpu' and '--help' not in words)):
-        return 'no CUDA GPU is visible'
+        return 'no CUDA'  # bench_gpu.py's 'no CUDA GPU is visible', --device cuda's 'torch sees no CUDA device'
     if words[1:2] == ['scripts/compare_train_py.py'] and not (Path(words[2]) / 'train.py').is_file():
         return 'holds no train.py: give a checkout of pytorch-image-models'
     return None

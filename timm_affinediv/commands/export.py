@@ -1,8 +1,9 @@
 """Export a trained timm model (patchnorm, affinediv or plain) to ONNX, validated against eager with ONNX Runtime.
 
     timm-affinediv export --model local-dir:runs/converted --output runs/model.onnx
-    timm-affinediv export --model resnet18 --norm-layer patchnorm --checkpoint model.safetensors \\
-        --num-classes 10 --in-chans 1 --img-size 28 --output runs/model.onnx [--no-dynamo] [--opset 17]
+    timm-affinediv export --model resnet18 --norm-layer patchnorm --checkpoint runs/demo/model/model.safetensors \\
+        --model-kwargs "channels=(16,32,64,128)" stem_width=16 --num-classes 10 --in-chans 1 --img-size 28 \\
+        --output runs/model-28.onnx [--no-dynamo] [--opset 17]
 
 The .onnx file has a dynamic batch axis and is written only once ONNX Runtime reproduces the eager model's
 outputs on random batches to --tolerance (relative to the largest output); the worst relative error is printed,
