@@ -191,7 +191,9 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
 }
 
 #: Placeholders the docs use for the reader's own things.
-PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', 'M': 'tinynet_e', 'RUN/model.safetensors': 'run/model.safetensors',
+PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', '/data/imagenet': 'imagenet', 'M': 'tinynet_e', 'FILE': 'args.yaml',
+                                'RUN/model.safetensors': 'run/model.safetensors', 'converted/': 'runs/converted',
+                                'original/': 'runs/baseline',
                                 'PATH/TO/pytorch-image-models': os.environ.get('TIMM_CHECKOUT', 'pytorch-image-models')}
 
 FASHION_MNIST_SIZES = {'train': 256, 't10k': 128}
@@ -285,6 +287,19 @@ def make_image_folder(folder: Path) -> Path:
     return folder
 
 
+def make_imagenet_folder(folder: Path, classes: int = 1000) -> Path:
+    """`folder/{train,validation}/nNNNNNNNN/0.png`: one 8x8 image of random pixels for each of `classes` classes."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    for split in ('train', 'validation'):
+        for index in range(classes):
+            target = folder / split / f'n{index:08d}'
+            target.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(target / '0.png')
+    return folder
+
+
 @dataclass
 class StandIns:
     """Everything `apply` sets, as a JSON-able record a child process applies too (`STANDINS_ENV`)."""
@@ -342,7 +357,12 @@ def apply_in_child() -> None:
     if standins is None:
         return
     import timm_affinediv  # noqa: F401  the registry the narrow entrypoints replace entries of
-    applied(standins).__enter__()
+    global _IN_FORCE
+    _IN_FORCE = applied(standins)  # held for the process's life: a collected context would restore everything
+    _IN_FORCE.__enter__()
+
+
+_IN_FORCE: Optional[contextlib.AbstractContextManager] = None
 
 
 # --- the files the commands name ----------------------------------------------------------------------------------
@@ -356,12 +376,15 @@ PREPARED = {
     'baseline.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
     'model.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
     'images': 'the stand-in image folder (PATH)',
+    'imagenet': "the stand-in ImageNet folder: one small image of each of 1000 classes a split",
     'args.yaml': "a timm train.py args.yaml (RandAugment, mixup, LAMB)",
     'run/model.safetensors': 'a checkpoint of the stand-in model of measure_family_conversion (tinynet_e)',
+    'tests/data/recipes': "timm's published recipes (tests/data/recipes/*.yaml), their budget settings capped",
 }
 
 ARGS_YAML = """\
 model: resnet18
+num_classes: 10
 opt: lamb
 lr: 0.005
 weight_decay: 0.02
@@ -374,6 +397,17 @@ cutmix: 1.0
 smoothing: 0.1
 batch_size: 16
 """
+
+
+def budget_recipe(text: str) -> str:
+    """A train.py args.yaml with the settings of `BUDGET`'s flags capped (`batch_size: 1024` -> 16)."""
+    import yaml
+    settings = yaml.safe_load(text)
+    for key, value in settings.items():
+        cap = BUDGET.get('--' + key.replace('_', '-'))
+        if cap is not None and isinstance(value, int):
+            settings[key] = min(value, cap)
+    return yaml.safe_dump(settings, sort_keys=False)
 
 
 def outputs_of(example: Example) -> set:

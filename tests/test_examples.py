@@ -12,15 +12,18 @@ import timm
 import torch
 from examples import (
     PREPARED,
+    ROOT,
     Example,
     StandIns,
     applied,
     apply_budget,
+    budget_recipe,
     check,
     doc_examples,
     help_examples,
     make_fashion_mnist,
     make_image_folder,
+    make_imagenet_folder,
     outputs_of,
     prepare_inputs,
     run_command,
@@ -81,8 +84,13 @@ def store(standins, tmp_path_factory) -> Path:
     for name in ('baseline.safetensors', 'model.safetensors'):
         shutil.copy2(demo / 'baseline' / 'model.safetensors', store / name)
     make_image_folder(store / 'images')
+    make_imagenet_folder(store / 'imagenet')
     from examples import ARGS_YAML
     (store / 'args.yaml').write_text(ARGS_YAML)
+    recipes = store / 'tests' / 'data' / 'recipes'
+    recipes.mkdir(parents=True)
+    for recipe in (ROOT / 'tests' / 'data' / 'recipes').glob('*.yaml'):
+        (recipes / recipe.name).write_text(budget_recipe(recipe.read_text()))
     (store / 'run').mkdir()
     model = timm.create_model('tinynet_e', num_classes=10, in_chans=1)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(store / 'run' / 'model.safetensors'))
