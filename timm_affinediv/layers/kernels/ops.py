@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..affine_div import box_sum
+from ..patches import box_sum
 
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 
