@@ -247,6 +247,69 @@ def test_model_train_step_matches_torch_path(kernels):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
+def _unbuildable(name: str, calls: list):
+    """A stand-in for kernel `name` whose build fails, as ptxas or the driver fails on a GPU the kernels were not
+    tested on: the launcher sees the error at the launch."""
+    class Unbuildable:
+        __name__ = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError('PTXAS error: Internal Triton PTX codegen error: ptxas fatal: Value "sm_121" is '
+                                   'not defined for option "gpu-name"')
+            return launch
+    return Unbuildable()
+
+
+def _fallback_layer(layer: str) -> nn.Module:
+    if layer == 'conv':
+        return _fused(_conv(4, 6, 3, groups=2, padding=1), nn.GELU).float()
+    torch.manual_seed(0)
+    if layer == 'linear':
+        return AffineDivLinear(5, 12).float()
+    norm = L2Norm2d(5, scale='rms')
+    nn.init.normal_(norm.weight)
+    return norm
+
+
+@needs_interpreter
+@pytest.mark.parametrize('kernel', ['_scale_kernel', '_scale_backward_kernel'], ids=['forward', 'backward'])
+@pytest.mark.parametrize('layer', ['conv', 'linear', 'l2norm'])
+def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_triton(layer, kernel, kernels,
+                                                                                 monkeypatch):
+    """Under `auto` a kernel that fails to build warns once, naming the layer, the kernel, the error and
+    TIMM_AFFINEDIV_KERNELS=torch; the failed operation (forward or backward) and every later one run on torch's
+    operations (the kernel is not tried again), with torch's numbers; under `triton` the failure raises."""
+    from timm_affinediv.layers.kernels import _triton, dispatch
+    module = _fallback_layer(layer)
+    x = torch.randn(2, 5, 6, 5) if layer == 'l2norm' else torch.randn(2, 4, 6, 5).to(
+        memory_format=torch.channels_last) if layer == 'conv' else torch.randn(3, 4, 5)
+    grad = torch.randn_like(module(x))
+    kernels('torch')
+    want = _run(module, x, grad)
+    calls = []
+    monkeypatch.setattr(_triton, kernel, _unbuildable(kernel, calls))
+    monkeypatch.setattr(dispatch, '_runs_kernels', lambda device: True)  # the interpreted CPU stands in for a GPU
+    kernels('auto')
+    with pytest.warns(RuntimeWarning) as warned:
+        got = [_run(module, x, grad) for _ in range(2)]
+    assert len(warned) == 1 and len(calls) == 1
+    message = str(warned[0].message)
+    where = {'conv': 'PatchNormConv2d(4, 6, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), '
+                     'groups=2)', 'linear': 'AffineDivLinear(5, 12)', 'l2norm': 'the L2 normaliser'}[layer]
+    failure = f'the Triton kernel {kernel} failed: RuntimeError: PTXAS error'
+    assert where in message and failure in message and 'TIMM_AFFINEDIV_KERNELS=torch' in message
+    assert dispatch.fell_back()
+    for step in got:
+        for g, w in zip(step, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    kernels('triton')
+    with pytest.raises(dispatch.KernelError, match=f'{kernel} failed: RuntimeError: PTXAS error.*'
+                                                   'TIMM_AFFINEDIV_KERNELS=torch'):
+        _run(module, x, grad)
+
+
 @needs_interpreter
 def test_export_paths_keep_portable_ops(kernels):
     """torch.jit.script and torch.export take torch's portable operations whatever the kernel mode."""

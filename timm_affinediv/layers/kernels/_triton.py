@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import KernelError
+
 ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
 _TILE = 2048  # elements a program's tile holds
 
@@ -165,6 +167,14 @@ def _scale_backward_kernel(
             tl.store(pbp_ptr + pid.to(tl.int64) * C + c, tl.sum(g, axis=0), mask=c_mask)
 
 
+def _launch(kernel, grid, *args, **constexprs) -> None:
+    """`kernel[grid](*args, **constexprs)`; a failure to build or launch it is raised as a `KernelError` naming it."""
+    try:
+        kernel[grid](*args, **constexprs)
+    except Exception as error:
+        raise KernelError(f'the Triton kernel {kernel.__name__} failed: {type(error).__name__}: {error}') from error
+
+
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -192,8 +202,8 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     bp, bc = _tiles(cpg if grouped else c, p, x)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
-    _channel_sq_norm_kernel[grid](
-        x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta, BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x))
+    _launch(_channel_sq_norm_kernel, grid, x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta,
+            BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x))
     return q
 
 
@@ -210,7 +220,8 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
     bp, bc = _tiles(c, p, y)
     npb = triton.cdiv(p, bp)
     base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
-    _scale_kernel[(n * npb, triton.cdiv(c, bc))](
+    _launch(
+        _scale_kernel, (n * npb, triton.cdiv(c, bc)),
         y, *y.stride(), m, post_bias if post_bias is not None else m, *base_args, out, *out.stride(),
         c, p, w, c // groups, groups, npb, alpha,
         BP=bp, BC=bc, RSQRT=rsqrt, HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
@@ -235,7 +246,8 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
         grad_y = torch.empty_like(y)
     t = torch.empty_like(b)
     partial = torch.empty((grid[0], c), device=y.device, dtype=torch.float32) if post_bias_grad else t
-    _scale_backward_kernel[grid](
+    _launch(
+        _scale_backward_kernel, grid,
         grad, *grad.stride(), y, *y.stride(), b, post_bias if post_bias is not None else b, grad_y, *grad_y.stride(),
         t, partial, c, p, w, cpg, groups, npb,
         BP=bp, BC=bc, HAS_PB=post_bias is not None, ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, GROUPED=grouped,

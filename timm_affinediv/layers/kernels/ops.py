@@ -12,21 +12,59 @@ PatchNormConv2d, `y = conv(x) (+ bias)` and `r = ((box(q) + offset) / c)^(-1/2)`
 
 AffineDivLinear is the case of rows (`box` the identity), and the L2 normaliser `out = x r`,
 `r = (|x|^2 / c + eps)^(-1/2)`, has `dL/dx = g r - x t / c`, `t = r^3 <g, x>`.
+
+An op whose kernel fails to build or launch completes on `_torch`'s twins of the launchers under `auto`
+(`dispatch.kernel_failed`), as every op after it does.
 """
-from typing import List, Optional, Tuple
+import functools
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..patches import box_sum
+from . import _torch, dispatch
 
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 
 
 def _kernels():
+    """The launchers: `_triton`'s, or their torch twins once a kernel has failed under `auto`."""
+    if dispatch.fell_back():
+        return _torch
     from . import _triton  # defines the kernels on first use, after TRITON_INTERPRET is set
     return _triton
+
+
+def _falls_back(layer: Callable[..., str]):
+    """ An op body that, where a kernel fails, reports it (`dispatch.kernel_failed`: raises under `triton`) and runs
+    again on the torch twins; `layer(*args)` describes the layer for the report."""
+    def decorate(body):
+        @functools.wraps(body)
+        def run(*args, **kwargs):
+            try:
+                return body(*args, **kwargs)
+            except dispatch.KernelError as failure:
+                dispatch.kernel_failed(layer(*args, **kwargs), failure)
+                return body(*args, **kwargs)
+        return run
+    return decorate
+
+
+def _conv_layer(x: Tensor, weight: Tensor, stride: List[int], padding: List[int], dilation: List[int],
+                groups: int) -> str:
+    return (f'PatchNormConv2d({x.shape[1]}, {weight.shape[0]}, kernel_size={tuple(weight.shape[2:])}, '
+            f'stride={tuple(stride)}, padding={tuple(padding)}, dilation={tuple(dilation)}, groups={groups}) '
+            f'on a {x.dtype} input of shape {list(x.shape)}')
+
+
+def _linear_layer(x: Tensor, weight: Tensor, *_) -> str:
+    return f'AffineDivLinear({weight.shape[1]}, {weight.shape[0]}) on {x.shape[0]} {x.dtype} rows'
+
+
+def _normaliser(x: Tensor, *_) -> str:
+    return f'the L2 normaliser of a {x.dtype} input of shape {list(x.shape)}'
 
 
 def _unused(x: Tensor) -> Tensor:
@@ -68,6 +106,8 @@ def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int],
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
+@_falls_back(lambda x, weight, bias, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
+    x, weight, stride, padding, dilation, groups))
 def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor],
                      stride: List[int], padding: List[int], dilation: List[int], groups: int, c: int, offset: float,
                      act: str, norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
@@ -91,6 +131,8 @@ def _(x, weight, bias, post_bias, stride, padding, dilation, groups, c, offset, 
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d_backward', mutates_args=())
+@_falls_back(lambda grad, x, weight, y, b, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
+    x, weight, stride, padding, dilation, groups))
 def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor,
                               post_bias: Optional[Tensor], stride: List[int], padding: List[int],
                               dilation: List[int], groups: int, c: int, act: str, has_bias: bool,
@@ -139,6 +181,7 @@ def _as_maps(rows: Tensor) -> Tensor:
 
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear', mutates_args=())
+@_falls_back(_linear_layer)
 def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor], c: int,
                       offset: float) -> Tuple[Tensor, Tensor, Tensor]:
     """`(out, y, b)` for the rows of `x`: `out = (x W^T + bias) rsqrt(b) + post_bias`, `b = (|x|^2 + offset) / c`."""
@@ -157,6 +200,7 @@ def _(x, weight, bias, post_bias, c, offset):
 
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear_backward', mutates_args=())
+@_falls_back(lambda grad, x, weight, *_: _linear_layer(x, weight))
 def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, c: int,
                                has_bias: bool, has_post_bias: bool,
                                output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -199,6 +243,7 @@ affine_div_linear.register_autograd(_backward_linear, setup_context=_setup_linea
 
 
 @torch.library.custom_op('timm_affinediv::l2_normalise_channels', mutates_args=())
+@_falls_back(_normaliser)
 def l2_normalise_channels(x: Tensor, c: int, eps: float) -> Tuple[Tensor, Tensor]:
     """`(x rsqrt(b), b)` over dim 1 of an (N, C, H, W) tensor, `b = |x|^2 / c + eps` (float32)."""
     kernels = _kernels()
@@ -213,6 +258,7 @@ def _(x, c, eps):
 
 
 @torch.library.custom_op('timm_affinediv::l2_normalise_channels_backward', mutates_args=())
+@_falls_back(lambda grad, x, *_: _normaliser(x))
 def l2_normalise_channels_backward(grad: Tensor, x: Tensor, b: Tensor, c: int) -> Tensor:
     """`dL/dx = g r - x t / c`, `t = r^3 <g, x>`."""
     kernels = _kernels()
