@@ -125,6 +125,16 @@ def _fused(conv: PatchNormConv2d, act_layer) -> nn.Sequential:
 
 
 @needs_interpreter
+def test_64_bit_offsets(kernels, monkeypatch):
+    """The kernels' 64-bit offsets (taken for tensors of 2^31 elements or more) give the 32-bit offsets' numbers."""
+    from timm_affinediv.layers.kernels import _triton
+    monkeypatch.setattr(_triton, '_i64', lambda *tensors: True)
+    cin, cout, k, kwargs = GEOMETRIES['depthwise-strided']
+    _compare(_fused(_conv(cin, cout, k, **kwargs), nn.GELU), torch.randn(2, cin, 7, 6), kernels)
+    _compare(_conv(4, 6, 1), torch.randn(2, 4, 7, 6).to(memory_format=torch.channels_last), kernels)
+
+
+@needs_interpreter
 @pytest.mark.parametrize('geometry,act', [
     ('3x3', 'relu'), ('grouped', 'gelu'), ('depthwise', 'silu'), ('1x1-strided', 'gelu'), ('depthwise', 'elu')])
 def test_fused_slot_affine_and_activation(geometry, act, kernels):
