@@ -162,10 +162,13 @@ def _(grad, x, weight, y, b, post_bias, stride, padding, dilation, groups, c, ac
 def _setup_patchnorm(ctx, inputs, output):
     x, weight, bias, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2], post_bias)
+    ctx.set_materialize_grads(False)  # `y` and `b` are the backward's, never the loss's: no zero gradients for them
     ctx.geometry = (stride, padding, dilation, groups, c, act, bias is not None)
 
 
 def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
+    if grad is None:  # the output did not reach the loss
+        return (None,) * 12
     x, weight, y, b, post_bias = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[:4])
     grads = patchnorm_conv2d_backward(grad, x, weight, y, b, post_bias, *ctx.geometry, mask)
@@ -229,10 +232,13 @@ def _(grad, x, weight, y, b, c, has_bias, has_post_bias, output_mask):
 def _setup_linear(ctx, inputs, output):
     x, weight, bias, post_bias, c, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.set_materialize_grads(False)
     ctx.args = (c, bias is not None, post_bias is not None)
 
 
 def _backward_linear(ctx, grad, _grad_y, _grad_b):
+    if grad is None:
+        return (None,) * 6
     x, weight, y, b = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[:4])
     grads = affine_div_linear_backward(grad, x, weight, y, b, *ctx.args, mask)
@@ -273,10 +279,13 @@ def _(grad, x, b, c):
 
 def _setup_l2(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], output[1])
+    ctx.set_materialize_grads(False)
     ctx.c = inputs[1]
 
 
 def _backward_l2(ctx, grad, _grad_b):
+    if grad is None:
+        return None, None, None
     x, b = ctx.saved_tensors
     return l2_normalise_channels_backward(grad, x, b, ctx.c), None, None
 
