@@ -218,15 +218,15 @@ def test_custom_ops_pass_opcheck():
     from timm_affinediv.layers.kernels import ops
     torch.manual_seed(0)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
-    w, b, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
-                torch.randn(6, requires_grad=True))
+    w, b, gain, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
+                      torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True))
     # aot_dispatch (tracing as torch.compile does) is test_compile_fullgraph's, at a fifth of opcheck's cost
     light = ('test_schema', 'test_autograd_registration', 'test_faketensor')
-    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'),
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, gain, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'),
                           test_utils=light)
     norm_map = torch.rand(2, 2, 3, 5) + 0.5
-    torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, pb, [2, 1], [0, 0], [1, 1], 2, 2, 1e-12,
-                                                 'none', norm_map), test_utils=light)
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, None, pb, [2, 1], [0, 0], [1, 1], 2, 2,
+                                                 1e-12, 'none', norm_map), test_utils=light)
     rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
     torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
                           test_utils=light)

@@ -455,9 +455,9 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             # asymmetric "same" padding is applied here as F.conv2d would, so the convolution pads symmetrically
             x = F.pad(x, pads, mode='constant' if self.padding_mode == 'zeros' else self.padding_mode)
             pads = [0, 0, 0, 0]
-        weight, bias, post_bias = self._fused_params()
         if not portable_ops() and self._uses_kernels(x):
-            return self._kernel_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
+            return self._kernel_forward(x, (pads[2], pads[0]))
+        weight, bias, post_bias = self._fused_params()
         if self._wide_pointwise and portable_ops():
             # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
             # sum into the convolution
@@ -493,13 +493,15 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         return F.conv2d(x, weight, post_bias)
 
     @torch.jit.unused
-    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        post_bias: Optional[torch.Tensor], padding: Tuple[int, int]) -> torch.Tensor:
-        """The forward on the fused Triton kernels, with the fused slot's activation where it can take it."""
-        act = self.fused_slot.kernel_activation() if self.fused_slot is not None else 'none'
+    def _kernel_forward(self, x: torch.Tensor, padding: Tuple[int, int]) -> torch.Tensor:
+        """ The forward on the fused Triton kernels, with the fused slot's affine (its gain in the output pass, not
+        folded into the weight) and its activation where the kernel can take it."""
+        slot = self.fused_slot
+        gain, post_bias = (None, None) if slot is None else (slot.weight, slot.bias)
+        act = 'none' if slot is None else slot.kernel_activation()
         return functional.patchnorm_conv2d(
-            x, weight, bias, post_bias, self.stride, padding, self.dilation, self.groups, self.divergence_constant,
-            _norm_offset(bias is not None, self.eps), act)
+            x, self.weight, self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
+            self.divergence_constant, _norm_offset(self.bias is not None, self.eps), act)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

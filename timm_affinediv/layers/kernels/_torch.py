@@ -27,26 +27,38 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     return _channel_sq_norm(x, groups).float().mul(alpha).add(beta).contiguous()
 
 
+def _per_channel_vector(v: torch.Tensor) -> torch.Tensor:
+    return v.float()[:, None, None]
+
+
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None) -> torch.Tensor:
     m = _per_channel(m.rsqrt() if rsqrt else m, y.shape[1])
     z = y.float() * m * alpha
+    if gain is not None:
+        z = z * _per_channel_vector(gain)
     if post_bias is not None:
-        z = z + post_bias.float()[:, None, None]
+        z = z + _per_channel_vector(post_bias)
     if base is not None:
         z = z + base.float()
     return _into(_ACTIVATIONS[act](z), y, out)
 
 
 def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bias: Optional[torch.Tensor],
-                   act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None):
+                   act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None,
+                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False):
     groups = b.shape[1]
     r_groups = b.rsqrt()
     r = _per_channel(r_groups, y.shape[1])
     y32, g = y.float(), grad.float()
+    yr = y32 * r
     if act != 'none':
-        z = y32 * r if post_bias is None else y32 * r + post_bias.float()[:, None, None]
+        z = yr if gain is None else yr * _per_channel_vector(gain)
+        if post_bias is not None:
+            z = z + _per_channel_vector(post_bias)
         g = torch.func.vjp(_ACTIVATIONS[act], z)[1](g)[0]
-    t = (g * y32).unflatten(1, (groups, -1)).sum(2) * r_groups ** 3
-    return _into(g * r, y, grad_y), t.contiguous(), g.sum((0, 2, 3)) if post_bias_grad else None
+    g_lin = g if gain is None else g * _per_channel_vector(gain)
+    t = (g_lin * y32).unflatten(1, (groups, -1)).sum(2) * r_groups ** 3
+    affine = [g.sum((0, 2, 3))] * post_bias_grad + [(g * yr).sum((0, 2, 3))] * gain_grad
+    return _into(g_lin * r, y, grad_y), t.contiguous(), torch.stack(affine) if affine else None
