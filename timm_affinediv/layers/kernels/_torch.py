@@ -33,9 +33,11 @@ def _per_channel_vector(v: torch.Tensor) -> torch.Tensor:
 
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None) -> torch.Tensor:
+          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     m = _per_channel(m.rsqrt() if rsqrt else m, y.shape[1])
-    z = y.float() * m * alpha
+    z = y.float() if bias is None else y.float() + _per_channel_vector(bias)
+    z = z * m * alpha
     if gain is not None:
         z = z * _per_channel_vector(gain)
     if post_bias is not None:
@@ -47,11 +49,12 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
 
 def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bias: Optional[torch.Tensor],
                    act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None,
-                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False):
+                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False, bias: Optional[torch.Tensor] = None,
+                   bias_grad: bool = False):
     groups = b.shape[1]
     r_groups = b.rsqrt()
     r = _per_channel(r_groups, y.shape[1])
-    y32, g = y.float(), grad.float()
+    y32, g = y.float() if bias is None else y.float() + _per_channel_vector(bias), grad.float()
     yr = y32 * r
     if act != 'none':
         z = yr if gain is None else yr * _per_channel_vector(gain)
@@ -59,6 +62,8 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
             z = z + _per_channel_vector(post_bias)
         g = torch.func.vjp(_ACTIVATIONS[act], z)[1](g)[0]
     g_lin = g if gain is None else g * _per_channel_vector(gain)
+    dy = g_lin * r
     t = (g_lin * y32).unflatten(1, (groups, -1)).sum(2) * r_groups ** 3
-    affine = [g.sum((0, 2, 3))] * post_bias_grad + [(g * yr).sum((0, 2, 3))] * gain_grad
-    return _into(g_lin * r, y, grad_y), t.contiguous(), torch.stack(affine) if affine else None
+    sums = [g, g * yr, dy]
+    affine = [s.sum((0, 2, 3)) for s, wanted in zip(sums, (post_bias_grad, gain_grad, bias_grad)) if wanted]
+    return _into(dy, y, grad_y), t.contiguous(), torch.stack(affine) if affine else None

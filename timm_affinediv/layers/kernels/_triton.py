@@ -93,12 +93,13 @@ def _channel_sq_norm_kernel(
 
 @triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
 def _scale_kernel(
-        y_ptr, syn, syc, syh, syw, b_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw, out_ptr, son, soc, soh, sow,
-        C, P, W, CPG, G, NPB, alpha,
-        BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
-        HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr, I64: tl.constexpr):
-    """ `out = act(base + alpha * gain[c] * y * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or `b`;
-    `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three)."""
+        y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
+        out_ptr, son, soc, soh, sow, C, P, W, CPG, G, NPB, alpha,
+        BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
+        HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
+        I64: tl.constexpr):
+    """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or
+    `b`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three)."""
     pid = tl.program_id(0)
     n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
@@ -108,7 +109,10 @@ def _scale_kernel(
     m = tl.load(b_ptr + _map_index(n, G, c[None, :] // CPG, P, p[:, None], I64), mask=mask, other=1.)
     if RSQRT:
         m = tl.rsqrt(m)
-    z = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32) * m * alpha
+    z = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
+    z *= m * alpha
     if HAS_GAIN:
         z *= tl.load(gain_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
     if HAS_PB:
@@ -121,14 +125,18 @@ def _scale_kernel(
 
 
 @triton.jit
-def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask, mask, r,
-                         HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr, ACT: tl.constexpr):
-    """ `(ga, ga gain y, ga y r)` of one tile, `dL/dy = ga gain r` stored; `r` broadcasts over the tile.
+def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask,
+                         mask, r, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
+                         ACT: tl.constexpr):
+    """ `(ga, ga gain y, ga y r, ga gain r)` of one tile, `y` with its bias, `dL/dy = ga gain r` stored; `r`
+    broadcasts over the tile.
 
-    `ga = g act'(gain y r + pb)` is the gradient of the pre-activation, whose sum is dL/dpb and whose sum times
-    `y r` is dL/dgain."""
+    `ga = g act'(gain y r + pb)` is the gradient of the pre-activation: its sum is dL/dpb, its sum times `y r`
+    dL/dgain, and the sum of dL/dy dL/dbias."""
     g = tl.load(g_ptr + g_offsets, mask=mask, other=0.).to(tl.float32)
     y = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
     if HAS_GAIN:
         gain = tl.load(gain_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
     if ACT != 0:
@@ -139,22 +147,36 @@ def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, gain_ptr, pb_ptr, g_offsets, y_of
             z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
         g = g * _activation_grad(z, ACT)
     g_lin = g * gain if HAS_GAIN else g
-    tl.store(gy_ptr + o_offsets, (g_lin * r).to(gy_ptr.dtype.element_ty), mask=mask)
-    return g, g_lin * y, g * y * r
+    gy = g_lin * r
+    tl.store(gy_ptr + o_offsets, gy.to(gy_ptr.dtype.element_ty), mask=mask)
+    return g, g_lin * y, g * y * r, gy
+
+
+@triton.jit
+def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, g, gyr, dy, WRITE_PB: tl.constexpr,
+                    WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr):
+    """The program's sums over its positions of `g`, `gyr` and `dy`, those asked for, at `index` of each row."""
+    if WRITE_PB:
+        tl.store(pbp_ptr + index, tl.sum(g, axis=0), mask=c_mask)
+    if WRITE_GAIN:
+        tl.store(gp_ptr + index, tl.sum(gyr, axis=0), mask=c_mask)
+    if WRITE_BIAS:
+        tl.store(bp_ptr + index, tl.sum(dy, axis=0), mask=c_mask)
 
 
 @triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
 def _scale_backward_kernel(
-        g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, gain_ptr, pb_ptr, gy_ptr, son, soc, soh, sow,
-        t_ptr, pbp_ptr, gp_ptr, C, P, W, CPG, G, NPB,
-        BP: tl.constexpr, BC: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr, ACT: tl.constexpr,
-        WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr,
-        SAME: tl.constexpr, I64: tl.constexpr):
-    """ The output pass's backward, `out = act(gain y r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`:
+        g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr,
+        gy_ptr, son, soc, soh, sow, t_ptr, pbp_ptr, gp_ptr, bp_ptr, C, P, W, CPG, G, NPB,
+        BP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
+        ACT: tl.constexpr, WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr, I64: tl.constexpr):
+    """ The output pass's backward, `out = act(gain (y + bias) r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`
+    (`y` below with its bias):
 
         ga = g act'(gain y r + pb),   dL/dy = ga gain r,   t[n, group, p] = r^3 sum_{c in group} ga gain y,
-        pbp[program, c], gp[program, c] = sums over the program's positions of ga and of ga y r
-                                          (summed over programs: dL/dpb and dL/dgain)
+        pbp, gp, bp[program, c] = sums over the program's positions of ga, ga y r and dL/dy
+                                  (summed over programs: dL/dpb, dL/dgain and dL/dbias)
 
     `SAME`: `y` and `dL/dy` have `g`'s strides, and one tile of offsets serves the three.
     """
@@ -175,13 +197,11 @@ def _scale_backward_kernel(
             g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
             y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
             o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
-            g, gy, gyr = _scale_backward_tile(g_ptr, y_ptr, gy_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets,
-                                              o_offsets, c, c_mask, mask, r[:, None], HAS_GAIN, HAS_PB, ACT)
+            g, gy, gyr, dy = _scale_backward_tile(
+                g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask, mask,
+                r[:, None], HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
             acc += tl.sum(gy, axis=1)
-            if WRITE_PB:
-                tl.store(pbp_ptr + pid * C + c, tl.sum(g, axis=0), mask=c_mask)
-            if WRITE_GAIN:
-                tl.store(gp_ptr + pid * C + c, tl.sum(gyr, axis=0), mask=c_mask)
+            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
         tl.store(t_ptr + map_index, acc * r * r * r, mask=p_mask)
     else:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -192,13 +212,10 @@ def _scale_backward_kernel(
         g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
         y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
         o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
-        g, gy, gyr = _scale_backward_tile(g_ptr, y_ptr, gy_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c,
-                                          c_mask, mask, r, HAS_GAIN, HAS_PB, ACT)
+        g, gy, gyr, dy = _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets,
+                                              o_offsets, c, c_mask, mask, r, HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
         tl.store(t_ptr + map_index, gy * r * r * r, mask=mask)
-        if WRITE_PB:
-            tl.store(pbp_ptr + pid * C + c, tl.sum(g, axis=0), mask=c_mask)
-        if WRITE_GAIN:
-            tl.store(gp_ptr + pid * C + c, tl.sum(gyr, axis=0), mask=c_mask)
+        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
 
 
 def _launch(kernel, grid, *args, **constexprs) -> None:
@@ -259,9 +276,10 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
 
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """ `act(base + alpha * gain * y * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`) or `m`,
-    `m` with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
+          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ `act(base + alpha * gain * (y + bias) * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`)
+    or `m`, `m` with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
     n, c, h, w = y.shape
     if out is None:
         out = torch.empty_like(y)
@@ -273,20 +291,21 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
     base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
     _launch(
         _scale_kernel, (n * npb, triton.cdiv(c, bc)),
-        y, *y.stride(), m, _or(gain, m), _or(post_bias, m), *base_args, out, *out.stride(),
+        y, *y.stride(), m, _or(bias, m), _or(gain, m), _or(post_bias, m), *base_args, out, *out.stride(),
         c, p, w, c // groups, groups, npb, alpha,
-        BP=bp, BC=bc, RSQRT=rsqrt, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None, HAS_BASE=base is not None,
-        ACT=ACTIVATIONS[act],
+        BP=bp, BC=bc, RSQRT=rsqrt, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None,
+        HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
         FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), num_warps=_WARPS)
     return out
 
 
 def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bias: Optional[torch.Tensor],
                    act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None,
-                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False):
-    """ `(dL/dy, t, affine)` for `out = act(gain y rsqrt(b) + post_bias)` (see `_scale_backward_kernel`); `t` is
-    (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, `affine` the rows dL/dpost_bias
-    (`post_bias_grad`) and dL/dgain (`gain_grad`) of one float32 matrix, or None."""
+                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False, bias: Optional[torch.Tensor] = None,
+                   bias_grad: bool = False):
+    """ `(dL/dy, t, affine)` for `out = act(gain (y + bias) rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
+    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, `affine` the rows
+    dL/dpost_bias, dL/dgain and dL/dbias (those asked for, in this order) of one float32 matrix, or None."""
     n, c, h, w = y.shape
     b = b.contiguous()
     groups, p = b.shape[1], h * w
@@ -299,12 +318,16 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
         grad_y = torch.empty_like(y)
     t = torch.empty_like(b)
     # the programs' partial sums of the parameters' gradients, reduced in one launch
-    partials = torch.empty((post_bias_grad + gain_grad, grid[0], c), device=y.device, dtype=torch.float32)
+    asked = (post_bias_grad, gain_grad, bias_grad)
+    partials = torch.empty((sum(asked), grid[0], c), device=y.device, dtype=torch.float32)
+    rows = iter(partials)
+    post_bias_part, gain_part, bias_part = (next(rows) if wanted else t for wanted in asked)
     _launch(
         _scale_backward_kernel, grid,
-        grad, *grad.stride(), y, *y.stride(), b, _or(gain, b), _or(post_bias, b), grad_y, *grad_y.stride(),
-        t, partials[0] if post_bias_grad else t, partials[-1] if gain_grad else t, c, p, w, cpg, groups, npb,
-        BP=bp, BC=bc, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None, ACT=ACTIVATIONS[act],
-        WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, GROUPED=grouped, FLAT=_flat(grad, y, grad_y),
-        SAME=_same(grad, y, grad_y), I64=_i64(grad, y, grad_y, b, partials), num_warps=_WARPS)
-    return grad_y, t, partials.sum(1) if post_bias_grad or gain_grad else None
+        grad, *grad.stride(), y, *y.stride(), b, _or(bias, b), _or(gain, b), _or(post_bias, b),
+        grad_y, *grad_y.stride(), t, post_bias_part, gain_part, bias_part, c, p, w, cpg, groups, npb,
+        BP=bp, BC=bc, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None,
+        ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, WRITE_BIAS=bias_grad, GROUPED=grouped,
+        FLAT=_flat(grad, y, grad_y), SAME=_same(grad, y, grad_y), I64=_i64(grad, y, grad_y, b, partials),
+        num_warps=_WARPS)
+    return grad_y, t, partials.sum(1) if any(asked) else None

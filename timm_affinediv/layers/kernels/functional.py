@@ -73,7 +73,7 @@ def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     full_map = _norm_maps.get(x, key) if shared else None
     with torch.autocast(x.device.type, enabled=False):
         out, _, norm_map = ops.patchnorm_conv2d(
-            x, weight.to(dtype), None if bias is None else bias.to(dtype), gain, post_bias, list(stride), list(padding),
+            x, weight.to(dtype), bias, gain, post_bias, list(stride), list(padding),
             list(dilation), groups, c, offset, act,
             None if full_map is None else full_map[:, :, ::stride[0], ::stride[1]])
     if shared and full_map is None and tuple(stride) == (1, 1):

@@ -112,77 +112,79 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
                      post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int],
                      groups: int, c: int, offset: float, act: str,
                      norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """ `(out, y, b)`: `out = act(gain conv(x) rsqrt(b) + post_bias)`, `y = conv(x)`, `b` as `_patch_norm_map`.
+    """ `(out, y, b)`: `out = act(gain (y + bias) rsqrt(b) + post_bias)`, `y = conv(x)` without its bias, `b` as
+    `_patch_norm_map`.
 
-    `gain` and `post_bias`: a fused slot's affine, applied in the output pass (not folded into the weight, which
-    would cost a product and its backward every step). `norm_map`: `b`, where the caller has it (another map of the
-    same input with the same `c` and `offset`).
+    The bias, `gain` and `post_bias` (a fused slot's affine) are applied in the output pass, in float32: not folded
+    into the weight, nor the bias cast to the convolution's dtype, each of which would cost launches forward and
+    backward every step. `norm_map`: `b`, where the caller has it (another map of the same input with the same `c`
+    and `offset`).
     """
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     if norm_map is None:
         b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
     else:
         b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
-    return _kernels().scale(y, b, post_bias, act, gain=gain), y, b
+    return _kernels().scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
 
 
 @patchnorm_conv2d.register_fake
 def _(x, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, offset, act, norm_map=None):
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     n, _, h, w = y.shape
     return torch.empty_like(y), y, y.new_empty((n, groups, h, w), dtype=torch.float32)
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d_backward', mutates_args=())
-@_falls_back(lambda grad, x, weight, y, b, gain, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
+@_falls_back(lambda grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
     x, weight, stride, padding, dilation, groups))
-def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, gain: Optional[Tensor],
-                              post_bias: Optional[Tensor], stride: List[int], padding: List[int],
-                              dilation: List[int], groups: int, c: int, act: str, has_bias: bool,
-                              output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """ `(dL/dx, dL/dweight, dL/dbias, affine)`, empty where `output_mask` is False; `affine`: the rows
-    dL/dpost_bias and dL/dgain (float32, those asked for; one reduction gives both)."""
-    needs_x, needs_weight, needs_bias, needs_gain, needs_post_bias = output_mask
-    needs_gain, needs_post_bias = needs_gain and gain is not None, needs_post_bias and post_bias is not None
+def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, bias: Optional[Tensor],
+                              gain: Optional[Tensor], post_bias: Optional[Tensor], stride: List[int],
+                              padding: List[int], dilation: List[int], groups: int, c: int, act: str,
+                              output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(dL/dx, dL/dweight, affine)`, empty where `output_mask` (x, weight, bias, gain, post_bias) is False;
+    `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for; one reduction gives them)."""
+    needs_x, needs_weight, *needs_affine = output_mask
+    needs_bias, needs_gain, needs_post_bias = (
+        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     grad_y, t, affine = _kernels().scale_backward(
-        grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain)
-    grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-        grad_y, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation, False, [0, 0],
-        groups, [needs_x, needs_weight, needs_bias and has_bias])
+        grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
+    grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad_y, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [needs_x, needs_weight, False])
     if needs_x:
         _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c)
     return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
-            grad_bias if needs_bias and has_bias else _unused(x), _unused(x) if affine is None else affine)
+            _unused(x) if affine is None else affine)
 
 
 @patchnorm_conv2d_backward.register_fake
-def _(grad, x, weight, y, b, gain, post_bias, stride, padding, dilation, groups, c, act, has_bias, output_mask):
-    needs_x, needs_weight, needs_bias, needs_gain, needs_post_bias = output_mask
-    rows = (needs_gain and gain is not None) + (needs_post_bias and post_bias is not None)
+def _(grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, groups, c, act, output_mask):
+    needs_x, needs_weight, *needs_affine = output_mask
+    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            x.new_empty(weight.shape[0]) if needs_bias and has_bias else _unused(x),
             x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
 
 
 def _setup_patchnorm(ctx, inputs, output):
     x, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2], gain, post_bias)
+    ctx.save_for_backward(x, weight, output[1], output[2], bias, gain, post_bias)
     ctx.set_materialize_grads(False)  # `y` and `b` are the backward's, never the loss's: no zero gradients for them
-    ctx.geometry = (stride, padding, dilation, groups, c, act, bias is not None)
+    ctx.geometry = (stride, padding, dilation, groups, c, act)
 
 
 def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
     if grad is None:  # the output did not reach the loss
         return (None,) * 13
-    x, weight, y, b, gain, post_bias = ctx.saved_tensors
+    x, weight, y, b, bias, gain, post_bias = ctx.saved_tensors
     mask = list(ctx.needs_input_grad[:5])
-    grad_x, grad_weight, grad_bias, affine = patchnorm_conv2d_backward(
-        grad, x, weight, y, b, gain, post_bias, *ctx.geometry, mask)
-    rows = iter(affine)  # dL/dpost_bias, then dL/dgain, where asked for
-    grad_post_bias = next(rows).to(post_bias.dtype) if mask[4] and post_bias is not None else None
-    grad_gain = next(rows).to(gain.dtype) if mask[3] and gain is not None else None
-    grads = (grad_x, grad_weight, grad_bias)
-    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (grad_gain, grad_post_bias) + (None,) * 8
+    grad_x, grad_weight, affine = patchnorm_conv2d_backward(
+        grad, x, weight, y, b, bias, gain, post_bias, *ctx.geometry, mask)
+    rows = iter(affine)  # dL/dpost_bias, dL/dgain, dL/dbias: those asked for
+    grad_post_bias, grad_gain, grad_bias = (
+        next(rows).to(p.dtype) if needed and p is not None else None
+        for needed, p in zip(mask[:1:-1], (post_bias, gain, bias)))
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None, grad_bias, grad_gain,
+            grad_post_bias) + (None,) * 8
 
 
 patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
