@@ -76,6 +76,11 @@ def _pointwise(kernel_size: List[int], padding: List[int]) -> bool:
     return list(kernel_size) == [1, 1] and not any(padding)
 
 
+def _poolable(kernel_size: List[int], padding: List[int], dilation: List[int]) -> bool:
+    """Whether the box filter is an average pooling's window (no dilation, at most half a window of padding)."""
+    return list(dilation) == [1, 1] and all(p <= k // 2 for p, k in zip(padding, kernel_size))
+
+
 def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
                     groups: int, c: int, offset: float) -> Tensor:
     """`b = (|P_p|^2 + offset) / c` per group and output position, float32: `r = rsqrt(b)`."""
@@ -84,6 +89,10 @@ def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], paddin
         # a 1x1 map reads only every stride-th position, and its box filter is the identity
         return kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
     q = kernels.channel_sq_norm(x, groups)
+    if _poolable(kernel_size, padding, dilation):
+        # the window sum of any number of channels with no filter tensor to fill (box_sum's convolution for many
+        # channels is the faster one on a CPU, not worth its two fills a step on a GPU)
+        return F.avg_pool2d(q, kernel_size, stride, padding, divisor_override=c).add_(offset / c)
     ph, pw = padding
     return box_sum(q, tuple(kernel_size), tuple(stride), (pw, pw, ph, ph), tuple(dilation), c, offset / c, groups)
 
@@ -96,12 +105,17 @@ def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int],
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
         kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
         return
-    groups, (h, w) = t.shape[1], x.shape[2:]
-    kernel = t.new_ones((groups, 1, *kernel_size))
-    # the transposed convolution's output is one row/column short where the forward's windows left input unread
-    output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
-        (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
-    box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
+    (n, groups), (h, w) = t.shape[:2], x.shape[2:]
+    if _poolable(kernel_size, padding, dilation):
+        # the adjoint of a window sum is the backward of an average pooling whose divisor is 1
+        box_adjoint = torch.ops.aten.avg_pool2d_backward(
+            t, t.new_empty((n, groups, h, w)), kernel_size, stride, padding, False, True, 1)
+    else:
+        kernel = t.new_ones((groups, 1, *kernel_size))
+        # the transposed convolution's output is one row/column short where the forward's windows left input unread
+        output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
+            (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
+        box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
     kernels.scale(x, box_adjoint, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
 
 
