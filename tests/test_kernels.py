@@ -228,8 +228,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, None, pb, [2, 1], [0, 0], [1, 1], 2, 2,
                                                  1e-12, 'none', norm_map), test_utils=light)
     rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
-    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
                           test_utils=light)
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw[:6], b, gain, pb, 5, 1.), test_utils=light)
     torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6),
                           test_utils=light)
 

@@ -276,6 +276,11 @@ class _DivergenceCorrected:
         weight = weight * gain.view([-1] + [1] * (weight.dim() - 1))
         return weight, None if bias is None else bias * gain, slot.bias.to(weight.dtype)
 
+    def _slot_affine(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(gain, post_bias): the fused slot's affine as it is, for the kernels' output pass (None without a slot)."""
+        slot = self.fused_slot
+        return (None, None) if slot is None else (slot.weight, slot.bias)
+
     def _scale_output(self, y: torch.Tensor, inv_s: torch.Tensor, post_bias: Optional[torch.Tensor],
                       channel_dim: int, groups: int = 1) -> torch.Tensor:
         """ `y * inv_s (+ post_bias)`, one pass; `inv_s` has one channel per group along `channel_dim`.
@@ -351,9 +356,9 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, 'AffineDivLinear')
-        weight, bias, post_bias = self._fused_params()
         if not portable_ops() and self._uses_kernels(x):
-            return self._kernel_forward(x, weight, bias, post_bias)
+            return self._kernel_forward(x)
+        weight, bias, post_bias = self._fused_params()
         if self.out_features > self.in_features + 1:
             if portable_ops():
                 # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
@@ -365,10 +370,11 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
         return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
 
     @torch.jit.unused
-    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        post_bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return functional.affine_div_linear(
-            x, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps))
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward on the fused Triton kernels, with the fused slot's affine in the output pass."""
+        gain, post_bias = self._slot_affine()
+        return functional.affine_div_linear(x, self.weight, self.bias, gain, post_bias, self.divergence_constant,
+                                            _norm_offset(self.bias is not None, self.eps))
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -496,9 +502,8 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     def _kernel_forward(self, x: torch.Tensor, padding: Tuple[int, int]) -> torch.Tensor:
         """ The forward on the fused Triton kernels, with the fused slot's affine (its gain in the output pass, not
         folded into the weight) and its activation where the kernel can take it."""
-        slot = self.fused_slot
-        gain, post_bias = (None, None) if slot is None else (slot.weight, slot.bias)
-        act = 'none' if slot is None else slot.kernel_activation()
+        gain, post_bias = self._slot_affine()
+        act = 'none' if self.fused_slot is None else self.fused_slot.kernel_activation()
         return functional.patchnorm_conv2d(
             x, self.weight, self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
             self.divergence_constant, _norm_offset(self.bias is not None, self.eps), act)

@@ -251,13 +251,14 @@ def _same(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return all(t.stride() == x.stride() for t in others)
 
 
-def _tiles(channels: int, positions: int, x: torch.Tensor):
-    """(BP, BC): a tile long in the dimension whose elements are adjacent in `x` (channels in channels-last)."""
+def _tiles(channels: int, positions: int, x: torch.Tensor, tile: int = _TILE):
+    """(BP, BC): a tile of at most `tile` elements, long in the dimension whose elements are adjacent in `x`
+    (channels in channels-last)."""
     if x.stride(1) == 1 or positions == 1:
-        bc = min(_pow2(channels), 128 if positions > 1 else _TILE)
-        return min(_pow2(positions), max(1, _TILE // bc)), bc
+        bc = min(_pow2(channels), 128 if positions > 1 else tile)
+        return min(_pow2(positions), max(1, tile // bc)), bc
     bp = min(_pow2(positions), 256)
-    return bp, min(_pow2(channels), max(1, _TILE // bp))
+    return bp, min(_pow2(channels), max(1, tile // bp))
 
 
 def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float = 0.) -> torch.Tensor:
@@ -311,7 +312,9 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
     groups, p = b.shape[1], h * w
     cpg = c // groups
     grouped = cpg > 1
-    bp, bc = _tiles(cpg if grouped else c, p, y)
+    same = _same(grad, y, grad_y if grad_y is not None else y)
+    # three tiles of offsets where the layouts differ: half the elements keep a thread's registers within 96
+    bp, bc = _tiles(cpg if grouped else c, p, y, _TILE if same else _TILE // 2)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
     if grad_y is None:
@@ -328,6 +331,6 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
         grad_y, *grad_y.stride(), t, post_bias_part, gain_part, bias_part, c, p, w, cpg, groups, npb,
         BP=bp, BC=bc, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None,
         ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, WRITE_BIAS=bias_grad, GROUPED=grouped,
-        FLAT=_flat(grad, y, grad_y), SAME=_same(grad, y, grad_y), I64=_i64(grad, y, grad_y, b, partials),
+        FLAT=_flat(grad, y, grad_y), SAME=same, I64=_i64(grad, y, grad_y, b, partials),
         num_warps=_WARPS)
     return grad_y, t, partials.sum(1) if any(asked) else None

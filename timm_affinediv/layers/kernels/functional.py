@@ -82,13 +82,13 @@ def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def affine_div_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      post_bias: Optional[torch.Tensor], c: int, offset: float) -> torch.Tensor:
-    """`(x W^T + b) / s(x) + post_bias` over the last dim of `x`, see `ops.affine_div_linear`."""
+                      gain: Optional[torch.Tensor], post_bias: Optional[torch.Tensor], c: int,
+                      offset: float) -> torch.Tensor:
+    """`gain (x W^T + b) / s(x) + post_bias` over the last dim of `x`, see `ops.affine_div_linear`."""
     dtype = _autocast_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         out, _, _ = ops.affine_div_linear(
-            x.to(dtype).reshape(-1, x.shape[-1]), weight.to(dtype), None if bias is None else bias.to(dtype),
-            post_bias, c, offset)
+            x.to(dtype).reshape(-1, x.shape[-1]), weight.to(dtype), bias, gain, post_bias, c, offset)
     return out.reshape(x.shape[:-1] + (weight.shape[0],))
 
 

@@ -179,6 +179,16 @@ def _(grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, g
             x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
 
 
+def _affine_grads(affine: Tensor, mask: List[bool], bias: Optional[Tensor], gain: Optional[Tensor],
+                  post_bias: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """`(dL/dbias, dL/dgain, dL/dpost_bias)` from the backward op's `affine` rows (those `mask[2:]` asked for)."""
+    rows = iter(affine)  # dL/dpost_bias, dL/dgain, dL/dbias: those asked for, in this order
+    grad_post_bias, grad_gain, grad_bias = (
+        next(rows).to(p.dtype) if needed and p is not None else None
+        for needed, p in zip(mask[:1:-1], (post_bias, gain, bias)))
+    return grad_bias, grad_gain, grad_post_bias
+
+
 def _setup_patchnorm(ctx, inputs, output):
     x, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2], bias, gain, post_bias)
@@ -193,12 +203,8 @@ def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
     mask = list(ctx.needs_input_grad[:5])
     grad_x, grad_weight, affine = patchnorm_conv2d_backward(
         grad, x, weight, y, b, bias, gain, post_bias, *ctx.geometry, mask)
-    rows = iter(affine)  # dL/dpost_bias, dL/dgain, dL/dbias: those asked for
-    grad_post_bias, grad_gain, grad_bias = (
-        next(rows).to(p.dtype) if needed and p is not None else None
-        for needed, p in zip(mask[:1:-1], (post_bias, gain, bias)))
-    return (grad_x if mask[0] else None, grad_weight if mask[1] else None, grad_bias, grad_gain,
-            grad_post_bias) + (None,) * 8
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None,
+            *_affine_grads(affine, mask, bias, gain, post_bias)) + (None,) * 8
 
 
 patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
@@ -211,64 +217,68 @@ def _as_maps(rows: Tensor) -> Tensor:
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear', mutates_args=())
 @_falls_back(_linear_layer)
-def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor], c: int,
-                      offset: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """`(out, y, b)` for the rows of `x`: `out = (x W^T + bias) rsqrt(b) + post_bias`, `b = (|x|^2 + offset) / c`."""
+def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+                      post_bias: Optional[Tensor], c: int, offset: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(out, y, b)` for the rows of `x`: `out = gain (x W^T + bias) rsqrt(b) + post_bias`, `y = x W^T`,
+    `b = (|x|^2 + offset) / c`; the bias and the affine in the output pass, as `patchnorm_conv2d`'s."""
     kernels = _kernels()
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, weight)
     b = kernels.channel_sq_norm(_as_maps(x), 1, 1. / c, offset / c)
     out = torch.empty_like(y)
-    kernels.scale(_as_maps(y), b, post_bias, out=_as_maps(out))
+    kernels.scale(_as_maps(y), b, post_bias, out=_as_maps(out), gain=gain, bias=bias)
     return out, y, b
 
 
 @affine_div_linear.register_fake
-def _(x, weight, bias, post_bias, c, offset):
+def _(x, weight, bias, gain, post_bias, c, offset):
     y = x.new_empty((x.shape[0], weight.shape[0]))
     return torch.empty_like(y), y, x.new_empty((x.shape[0], 1, 1, 1), dtype=torch.float32)
 
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear_backward', mutates_args=())
 @_falls_back(lambda grad, x, weight, *_: _linear_layer(x, weight))
-def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, c: int,
-                               has_bias: bool, has_post_bias: bool,
-                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(dL/dx, dL/dweight, dL/dbias, dL/dpost_bias)`, empty where `output_mask` is False."""
+def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, bias: Optional[Tensor],
+                               gain: Optional[Tensor], post_bias: Optional[Tensor], c: int,
+                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """`(dL/dx, dL/dweight, affine)` as `patchnorm_conv2d_backward`'s."""
     kernels = _kernels()
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    needs_x, needs_weight, *needs_affine = output_mask
+    needs_bias, needs_gain, needs_post_bias = (
+        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     grad_y = torch.empty_like(y)
-    t = kernels.scale_backward(_as_maps(grad), _as_maps(y), b, None, 'none', False, grad_y=_as_maps(grad_y))[1]
+    _, t, affine = kernels.scale_backward(
+        _as_maps(grad), _as_maps(y), b, post_bias, 'none', needs_post_bias, grad_y=_as_maps(grad_y), gain=gain,
+        gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x = _unused(x)
     if needs_x:
         grad_x = grad_y @ weight
         kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x))
-    return (grad_x, grad_y.t() @ x if needs_weight else _unused(x),
-            grad_y.sum(0) if needs_bias and has_bias else _unused(x),
-            grad.sum(0) if needs_post_bias and has_post_bias else _unused(x))
+    return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
 
 
 @affine_div_linear_backward.register_fake
-def _(grad, x, weight, y, b, c, has_bias, has_post_bias, output_mask):
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+def _(grad, x, weight, y, b, bias, gain, post_bias, c, output_mask):
+    needs_x, needs_weight, *needs_affine = output_mask
+    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            y.new_empty(y.shape[1]) if needs_bias and has_bias else _unused(x),
-            y.new_empty(y.shape[1]) if needs_post_bias and has_post_bias else _unused(x))
+            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
 
 
 def _setup_linear(ctx, inputs, output):
-    x, weight, bias, post_bias, c, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2])
+    x, weight, bias, gain, post_bias, c, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2], bias, gain, post_bias)
     ctx.set_materialize_grads(False)
-    ctx.args = (c, bias is not None, post_bias is not None)
+    ctx.c = c
 
 
 def _backward_linear(ctx, grad, _grad_y, _grad_b):
     if grad is None:
-        return (None,) * 6
-    x, weight, y, b = ctx.saved_tensors
-    mask = list(ctx.needs_input_grad[:4])
-    grads = affine_div_linear_backward(grad, x, weight, y, b, *ctx.args, mask)
-    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None, None)
+        return (None,) * 7
+    x, weight, y, b, bias, gain, post_bias = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:5])
+    grad_x, grad_weight, affine = affine_div_linear_backward(grad, x, weight, y, b, bias, gain, post_bias, ctx.c, mask)
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None,
+            *_affine_grads(affine, mask, bias, gain, post_bias), None, None)
 
 
 affine_div_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
