@@ -4,8 +4,8 @@ Every kernel specialisation that train steps of patchnorm resnet50, convnext_tin
 autocast and float32, channels-last and NCHW, 224 px; recorded under FakeTensorMode, specialised by Triton's own
 JIT binder) is compiled ahead of time for sm_80 (A100) and sm_90a (H100/H200) by `triton.compile` with the `ptxas` in
 Triton's wheel: each must compile, not spill, and stay within 128 registers per thread at its launch's warps (four
-blocks of 128 threads an SM, for kernels whose speed is their memory traffic). About 2 minutes on 2 cores, 40 s
-when Triton's cache (`~/.triton/cache`) holds the kernels.
+blocks of 128 threads an SM, for kernels whose speed is their memory traffic). 85 s on 2 shared cores with an empty
+Triton cache (`~/.triton/cache`), about 50 s when it holds the kernels.
 """
 import importlib.util
 import json
