@@ -125,6 +125,16 @@ def _fused(conv: PatchNormConv2d, act_layer) -> nn.Sequential:
 
 
 @needs_interpreter
+def test_64_bit_offsets(kernels, monkeypatch):
+    """The kernels' 64-bit offsets (taken for tensors of 2^31 elements or more) give the 32-bit offsets' numbers."""
+    from timm_affinediv.layers.kernels import _triton
+    monkeypatch.setattr(_triton, '_i64', lambda *tensors: True)
+    cin, cout, k, kwargs = GEOMETRIES['depthwise-strided']
+    _compare(_fused(_conv(cin, cout, k, **kwargs), nn.GELU), torch.randn(2, cin, 7, 6), kernels)
+    _compare(_conv(4, 6, 1), torch.randn(2, 4, 7, 6).to(memory_format=torch.channels_last), kernels)
+
+
+@needs_interpreter
 @pytest.mark.parametrize('geometry,act', [
     ('3x3', 'relu'), ('grouped', 'gelu'), ('depthwise', 'silu'), ('1x1-strided', 'gelu'), ('depthwise', 'elu')])
 def test_fused_slot_affine_and_activation(geometry, act, kernels):
@@ -208,18 +218,19 @@ def test_custom_ops_pass_opcheck():
     from timm_affinediv.layers.kernels import ops
     torch.manual_seed(0)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
-    w, b, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
-                torch.randn(6, requires_grad=True))
+    w, b, gain, pb = (torch.randn(6, 2, 3, 3, requires_grad=True), torch.randn(6, requires_grad=True),
+                      torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True))
     # aot_dispatch (tracing as torch.compile does) is test_compile_fullgraph's, at a fifth of opcheck's cost
     light = ('test_schema', 'test_autograd_registration', 'test_faketensor')
-    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'),
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w, b, gain, pb, [2, 1], [1, 1], [1, 1], 2, 19, 1., 'silu'),
                           test_utils=light)
     norm_map = torch.rand(2, 2, 3, 5) + 0.5
-    torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, pb, [2, 1], [0, 0], [1, 1], 2, 2, 1e-12,
-                                                 'none', norm_map), test_utils=light)
+    torch.library.opcheck(ops.patchnorm_conv2d, (x, w[:, :, :1, :1], None, None, pb, [2, 1], [0, 0], [1, 1], 2, 2,
+                                                 1e-12, 'none', norm_map), test_utils=light)
     rows, lw = torch.randn(3, 5, requires_grad=True), torch.randn(7, 5, requires_grad=True)
-    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw, None, None, pb[:1].detach().expand(7).clone(), 5, 1e-12),
                           test_utils=light)
+    torch.library.opcheck(ops.affine_div_linear, (rows, lw[:6], b, gain, pb, 5, 1.), test_utils=light)
     torch.library.opcheck(ops.l2_normalise_channels, (x.to(memory_format=torch.channels_last), 4, 1e-6),
                           test_utils=light)
 
@@ -245,6 +256,69 @@ def test_model_train_step_matches_torch_path(kernels):
     for got, want in zip(results['triton'], results['torch']):
         # float32 sums in another order through a dozen layers: errors relative to each tensor's scale
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def _unbuildable(name: str, calls: list):
+    """A stand-in for kernel `name` whose build fails, as ptxas or the driver fails on a GPU the kernels were not
+    tested on: the launcher sees the error at the launch."""
+    class Unbuildable:
+        __name__ = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise RuntimeError('PTXAS error: Internal Triton PTX codegen error: ptxas fatal: Value "sm_121" is '
+                                   'not defined for option "gpu-name"')
+            return launch
+    return Unbuildable()
+
+
+def _fallback_layer(layer: str) -> nn.Module:
+    if layer == 'conv':
+        return _fused(_conv(4, 6, 3, groups=2, padding=1), nn.GELU).float()
+    torch.manual_seed(0)
+    if layer == 'linear':
+        return AffineDivLinear(5, 12).float()
+    norm = L2Norm2d(5, scale='rms')
+    nn.init.normal_(norm.weight)
+    return norm
+
+
+@needs_interpreter
+@pytest.mark.parametrize('kernel', ['_scale_kernel', '_scale_backward_kernel'], ids=['forward', 'backward'])
+@pytest.mark.parametrize('layer', ['conv', 'linear', 'l2norm'])
+def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_triton(layer, kernel, kernels,
+                                                                                 monkeypatch):
+    """Under `auto` a kernel that fails to build warns once, naming the layer, the kernel, the error and
+    TIMM_AFFINEDIV_KERNELS=torch; the failed operation (forward or backward) and every later one run on torch's
+    operations (the kernel is not tried again), with torch's numbers; under `triton` the failure raises."""
+    from timm_affinediv.layers.kernels import _triton, dispatch
+    module = _fallback_layer(layer)
+    x = torch.randn(2, 5, 6, 5) if layer == 'l2norm' else torch.randn(2, 4, 6, 5).to(
+        memory_format=torch.channels_last) if layer == 'conv' else torch.randn(3, 4, 5)
+    grad = torch.randn_like(module(x))
+    kernels('torch')
+    want = _run(module, x, grad)
+    calls = []
+    monkeypatch.setattr(_triton, kernel, _unbuildable(kernel, calls))
+    monkeypatch.setattr(dispatch, '_runs_kernels', lambda device: True)  # the interpreted CPU stands in for a GPU
+    kernels('auto')
+    with pytest.warns(RuntimeWarning) as warned:
+        got = [_run(module, x, grad) for _ in range(2)]
+    assert len(warned) == 1 and len(calls) == 1
+    message = str(warned[0].message)
+    where = {'conv': 'PatchNormConv2d(4, 6, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), '
+                     'groups=2)', 'linear': 'AffineDivLinear(5, 12)', 'l2norm': 'the L2 normaliser'}[layer]
+    failure = f'the Triton kernel {kernel} failed: RuntimeError: PTXAS error'
+    assert where in message and failure in message and 'TIMM_AFFINEDIV_KERNELS=torch' in message
+    assert dispatch.fell_back()
+    for step in got:
+        for g, w in zip(step, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    kernels('triton')
+    with pytest.raises(dispatch.KernelError, match=f'{kernel} failed: RuntimeError: PTXAS error.*'
+                                                   'TIMM_AFFINEDIV_KERNELS=torch'):
+        _run(module, x, grad)
 
 
 @needs_interpreter

@@ -5,7 +5,8 @@ import pytest
 from conftest import SCRIPTS
 
 SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'bench_gpu', 'measure_conversion',
-                'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments')
+                'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments',
+                'kernel_registers', 'launch_count')
 
 
 def test_every_script_is_listed():

@@ -1,7 +1,8 @@
 """The layers of the affine divergence and their binding into timm models, as `timm.layers` holds timm's own."""
-from .affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant, patch_sq_norm
+from .affine_div import AffineDivLinear, PatchNormConv2d, divergence_constant
 from .binding import bind_patchnorm, describe_kernel_paths, describe_slots, divergence_corrected, layer_kernel_paths
 from .norm import L2Norm, L2Norm2d, L2NormLinear, l2_normalise
+from .patches import patch_sq_norm
 from .recurrent import AffineDivLSTM
 from .register import register
 from .slot import (

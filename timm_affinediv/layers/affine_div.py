@@ -31,21 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-from .kernels import use_triton
+from .kernels import functional, use_triton
+from .patches import patch_sq_norm, portable_ops, sq_norm
 
-__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'patch_sq_norm', 'box_sum', 'channel_sq_norm',
-           'sq_norm']
-
-def portable_ops() -> bool:
-    """ Whether the forward is being scripted or exported (`torch.jit.script`, `torch.export`, ONNX).
-
-    Then the layers take the operations every exporter supports, computing the same function as their
-    eager route.
-    """
-    if torch.jit.is_scripting():
-        return True
-    else:
-        return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant']
 
 
 def _check_scale(scale: str) -> str:
@@ -64,11 +53,6 @@ def divergence_constant(fan_in: int, bias: bool, scale: str) -> int:
 def _constant(fan_in: int, bias: bool, scale: str) -> int:
     """`divergence_constant` for a checked `scale`, in what TorchScript compiles."""
     return fan_in + int(bias) if scale == 'rms' else 1
-
-
-def at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in float32, or as it is if wider (float64): the dtype norms are taken in."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _norm_offset(bias: bool, eps: float) -> float:
@@ -91,100 +75,6 @@ def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
             "add a batch dimension with x.unsqueeze(0)")
     if x.shape[1] != channels:
         raise ValueError(f"{name} expects {channels} input channels, got shape {list(x.shape)}")
-
-
-# squares are written `x * x` throughout: `square()` is exported as Pow, which ONNX Runtime runs several times
-# slower than Mul
-def sq_norm(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """`|x|^2` over `dim`, kept as a dimension of size 1, in float32 or wider."""
-    if portable_ops():
-        x = at_least_float32(x)
-        return (x * x).sum(dim, keepdim=True)
-    if x.stride(dim) == 1:
-        # over contiguous elements the norm kernel is fastest, and it does not materialise x^2
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        return torch.linalg.vector_norm(x, dim=dim, keepdim=True, dtype=dtype).square()
-    # over strided elements (the channels of an NCHW tensor) vecdot's kernel is several times faster
-    x = at_least_float32(x)
-    return torch.linalg.vecdot(x, x, dim=dim).unsqueeze(dim)
-
-
-def channel_sq_norm(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """`|x|^2` over the channels of each group of an (N, C, H, W) tensor: (N, groups, H, W), float32 or wider."""
-    if groups == x.shape[1]:
-        x = at_least_float32(x)
-        return x * x
-    if groups == 1:
-        return sq_norm(x, 1)
-    return sq_norm(x.unflatten(1, (groups, -1)), 2).squeeze(2)
-
-
-def box_sum(
-        x: torch.Tensor,
-        kernel_size: Tuple[int, int],
-        stride: Tuple[int, int] = (1, 1),
-        padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
-        dilation: Tuple[int, int] = (1, 1),
-        divisor: int = 1,
-        offset: float = 0.,
-        channels: Optional[int] = None,
-) -> torch.Tensor:
-    """ `sum(x) / divisor + offset` over every window of a convolution's geometry, per channel.
-
-    `padding` is (left, right, top, bottom). The division and offset ride in the filter's kernel and
-    bias, so the affine step that follows a box filter costs no pass of its own. `channels`, x's channel
-    count where the caller knows it, keeps the filter's kernel a constant in exported graphs.
-    """
-    (kh, kw), (left, right, top, bottom) = kernel_size, padding
-    if left == right and top == bottom:
-        pad = (top, left)
-    else:
-        x, pad = F.pad(x, padding), (0, 0)
-    if channels is None:
-        channels = x.shape[1]
-    # avg_pool2d is the faster box filter for a few channels, a grouped conv with a ones kernel for many
-    if dilation == (1, 1) and pad[0] <= kh // 2 and pad[1] <= kw // 2 and channels <= 4:
-        if portable_ops():
-            # the dynamo ONNX exporter drops divisor_override without an error: divide by the window area (zero
-            # padding counted, as in the convolution's patches), then rescale
-            return F.avg_pool2d(x, kernel_size, stride, pad) * (kh * kw / divisor) + offset
-        out = F.avg_pool2d(x, kernel_size, stride, pad, divisor_override=divisor)
-        return out.add_(offset) if offset else out
-    kernel = x.new_full((channels, 1, kh, kw), 1. / divisor)
-    bias = x.new_full((channels,), offset) if offset else None
-    return F.conv2d(x, kernel, bias, stride=stride, padding=pad, dilation=dilation, groups=channels)
-
-
-def patch_sq_norm(
-        x: torch.Tensor,
-        kernel_size: Tuple[int, int],
-        stride: Tuple[int, int] = (1, 1),
-        padding: Tuple[int, int, int, int] = (0, 0, 0, 0),
-        dilation: Tuple[int, int] = (1, 1),
-        groups: int = 1,
-        divisor: int = 1,
-        offset: float = 0.,
-) -> torch.Tensor:
-    """ `|P_p|^2 / divisor + offset` for every output position `p` of a convolution, per group, in float32
-    (or float64).
-
-    `P_p` is the im2col column that position `p` reads: the group's input channels times the
-    kernel window, zero padding included. Computed as a channel sum of `x^2` per group and a
-    box filter with the convolution's geometry. `padding` is `(left, right, top, bottom)`.
-    Returns `(N, groups, H_out, W_out)`.
-    """
-    if kernel_size == (1, 1) and stride != (1, 1) and not any(padding) and not portable_ops():
-        # a strided 1x1 convolution reads only every stride-th position: take the norms there alone (exported
-        # graphs keep the stride in the box filter: a strided Slice of the input costs ONNX Runtime a copy, and the
-        # full-resolution norms are those of the same input's other reader, e.g. a bottleneck's first convolution,
-        # which ONNX Runtime's common-subexpression elimination then computes once)
-        x, stride = x[:, :, ::stride[0], ::stride[1]], (1, 1)
-    if torch.jit.is_scripting():
-        # TorchScript does not apply autocast
-        return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
-    else:
-        with torch.autocast(x.device.type, enabled=False):
-            return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
 
 
 def _inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
@@ -386,6 +276,11 @@ class _DivergenceCorrected:
         weight = weight * gain.view([-1] + [1] * (weight.dim() - 1))
         return weight, None if bias is None else bias * gain, slot.bias.to(weight.dtype)
 
+    def _slot_affine(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(gain, post_bias): the fused slot's affine as it is, for the kernels' output pass (None without a slot)."""
+        slot = self.fused_slot
+        return (None, None) if slot is None else (slot.weight, slot.bias)
+
     def _scale_output(self, y: torch.Tensor, inv_s: torch.Tensor, post_bias: Optional[torch.Tensor],
                       channel_dim: int, groups: int = 1) -> torch.Tensor:
         """ `y * inv_s (+ post_bias)`, one pass; `inv_s` has one channel per group along `channel_dim`.
@@ -461,9 +356,9 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(x, self.in_features, 'AffineDivLinear')
-        weight, bias, post_bias = self._fused_params()
         if not portable_ops() and self._uses_kernels(x):
-            return self._kernel_forward(x, weight, bias, post_bias)
+            return self._kernel_forward(x)
+        weight, bias, post_bias = self._fused_params()
         if self.out_features > self.in_features + 1:
             if portable_ops():
                 # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
@@ -475,11 +370,11 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
         return self._scale_output(F.linear(x, weight, bias), self.inv_scale(x), post_bias, -1)
 
     @torch.jit.unused
-    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        post_bias: Optional[torch.Tensor]) -> torch.Tensor:
-        from .kernels import functional  # here, not at the top: the kernels' ops use this module's box filter
-        return functional.affine_div_linear(
-            x, weight, bias, post_bias, self.divergence_constant, _norm_offset(bias is not None, self.eps))
+    def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward on the fused Triton kernels, with the fused slot's affine in the output pass."""
+        gain, post_bias = self._slot_affine()
+        return functional.affine_div_linear(x, self.weight, self.bias, gain, post_bias, self.divergence_constant,
+                                            _norm_offset(self.bias is not None, self.eps))
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -566,9 +461,9 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             # asymmetric "same" padding is applied here as F.conv2d would, so the convolution pads symmetrically
             x = F.pad(x, pads, mode='constant' if self.padding_mode == 'zeros' else self.padding_mode)
             pads = [0, 0, 0, 0]
-        weight, bias, post_bias = self._fused_params()
         if not portable_ops() and self._uses_kernels(x):
-            return self._kernel_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
+            return self._kernel_forward(x, (pads[2], pads[0]))
+        weight, bias, post_bias = self._fused_params()
         if self._wide_pointwise and portable_ops():
             # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
             # sum into the convolution
@@ -604,14 +499,14 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         return F.conv2d(x, weight, post_bias)
 
     @torch.jit.unused
-    def _kernel_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                        post_bias: Optional[torch.Tensor], padding: Tuple[int, int]) -> torch.Tensor:
-        """The forward on the fused Triton kernels, with the fused slot's activation where it can take it."""
-        from .kernels import functional  # here, not at the top: the kernels' ops use this module's box filter
-        act = self.fused_slot.kernel_activation() if self.fused_slot is not None else 'none'
+    def _kernel_forward(self, x: torch.Tensor, padding: Tuple[int, int]) -> torch.Tensor:
+        """ The forward on the fused Triton kernels, with the fused slot's affine (its gain in the output pass, not
+        folded into the weight) and its activation where the kernel can take it."""
+        gain, post_bias = self._slot_affine()
+        act = 'none' if self.fused_slot is None else self.fused_slot.kernel_activation()
         return functional.patchnorm_conv2d(
-            x, weight, bias, post_bias, self.stride, padding, self.dilation, self.groups, self.divergence_constant,
-            _norm_offset(bias is not None, self.eps), act)
+            x, self.weight, self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
+            self.divergence_constant, _norm_offset(self.bias is not None, self.eps), act)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

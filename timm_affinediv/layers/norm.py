@@ -16,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-from .affine_div import _check_last_dim, _check_scale, at_least_float32, portable_ops
-from .kernels import use_triton
+from .affine_div import _check_last_dim, _check_scale
+from .kernels import functional, use_triton
+from .patches import at_least_float32, portable_ops
 
 __all__ = ['L2Norm', 'L2Norm2d', 'L2NormLinear', 'l2_normalise']
 
@@ -42,7 +43,6 @@ def _kernel_normalise(x: torch.Tensor, dim: int, c: int, eps: float) -> Optional
     """`l2_normalise` on the fused Triton kernels, or None where they do not apply (`kernels.dispatch`)."""
     if not use_triton(x):
         return None
-    from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
     return functional.l2_normalise(x, dim, c, eps)
 
 

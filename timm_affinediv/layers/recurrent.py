@@ -16,7 +16,8 @@ import torch.nn as nn
 from timm.layers import register_notrace_module
 from torch.nn.utils.rnn import PackedSequence
 
-from .affine_div import _augmented_input, _check_scale, _constant, _inverse_scale, _norm_offset, sq_norm
+from .affine_div import _augmented_input, _check_scale, _constant, _inverse_scale, _norm_offset
+from .patches import sq_norm
 
 __all__ = ['AffineDivLSTM']
 

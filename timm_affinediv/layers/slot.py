@@ -26,9 +26,10 @@ from timm.layers.typing import LayerType
 
 from .._timm_compat import create_act
 from ..errors import NormMismatchError
-from .affine_div import _check_scale, portable_ops
-from .kernels import use_triton
+from .affine_div import _check_scale
+from .kernels import functional, use_triton
 from .norm import channel_affine, l2_normalise
+from .patches import portable_ops
 
 __all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
            'SlotBinding', 'NormMismatchError']
@@ -113,7 +114,6 @@ class PatchNormSlot(nn.Module):
         'none' (the slot applies its own): the one place that decides it, read by the producer and the slot."""
         if not (self.fused and self.activation_in_producer):
             return 'none'
-        from .kernels import functional  # here, not at the top: the kernels' ops use the layers' box filter
         return functional.fused_activation(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

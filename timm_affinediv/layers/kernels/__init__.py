@@ -11,9 +11,11 @@ convolution's input gradient. All norms accumulate in float32; inputs may be flo
 channels-last (read by their strides, never copied). `AffineDivLinear` is the case of rows, and `l2_normalise`
 (L2NormLinear, L2Norm, standalone slots) `out = x rsqrt(|x|^2 / c + eps)`.
 
-`dispatch` chooses the path (`TIMM_AFFINEDIV_KERNELS=auto|triton|torch`, `set_kernels`), `functional` holds the
-entry points the layers call, `ops` the torch custom ops, `_triton` the kernels.
+`dispatch` chooses the path (`TIMM_AFFINEDIV_KERNELS=auto|triton|torch`, `set_kernels`) and takes a kernel's failure,
+`functional` holds the entry points the layers call, `ops` the torch custom ops, `_triton` the kernels and `_torch`
+their twins in torch's operations (what the ops fall back to).
 """
-from .dispatch import KERNEL_MODES, kernel_path, kernels_mode, set_kernels, triton_available, use_triton
+from .dispatch import KERNEL_MODES, KernelError, kernel_path, kernels_mode, set_kernels, triton_available, use_triton
 
-__all__ = ['KERNEL_MODES', 'kernel_path', 'kernels_mode', 'set_kernels', 'triton_available', 'use_triton']
+__all__ = ['KERNEL_MODES', 'KernelError', 'kernel_path', 'kernels_mode', 'set_kernels', 'triton_available',
+           'use_triton']

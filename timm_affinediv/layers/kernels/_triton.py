@@ -11,8 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import KernelError
+
 ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
-_TILE = 2048  # elements a program's tile holds
+_TILE = 1024  # elements a program's tile holds: 8 a thread at _WARPS warps
+_WARPS = 4
 
 
 @triton.jit
@@ -42,127 +45,190 @@ def _activation_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _spatial(p, W, stride_h, stride_w, FLAT: tl.constexpr):
-    """Element offset of flattened position `p`; `FLAT`: H and W are one dimension of stride `stride_w`."""
+def _offsets(n, p, c, sn, sc, sh, sw, W, FLAT: tl.constexpr, I64: tl.constexpr):
+    """ Element offsets `(BP, BC)` of positions `p` and channels `c` of sample `n`, in 32 bits unless `I64` (a tensor
+    of 2^31 elements or more). `FLAT`: H and W are one dimension of stride `sw`."""
+    if I64:
+        n, p, c = n.to(tl.int64), p.to(tl.int64), c.to(tl.int64)
     if FLAT:
-        return p.to(tl.int64) * stride_w
+        pos = n * sn + p * sw
     else:
-        return (p // W).to(tl.int64) * stride_h + (p % W).to(tl.int64) * stride_w
+        pos = n * sn + (p // W) * sh + (p % W) * sw
+    return pos[:, None] + c[None, :] * sc
 
 
 @triton.jit
+def _map_index(n, G, group, P, p, I64: tl.constexpr):
+    """Offsets into an `(N, G, P)` contiguous map of `group` (a scalar or a `(1, BC)` row) at positions `p`."""
+    if I64:
+        n = n.to(tl.int64)
+    return (n * G + group) * P + p
+
+
+@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
 def _channel_sq_norm_kernel(
         x_ptr, sxn, sxc, sxh, sxw, q_ptr, C, P, W, CPG, G, NPB, alpha, beta,
-        BP: tl.constexpr, BC: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr):
+        BP: tl.constexpr, BC: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr, I64: tl.constexpr):
     """`q[n, g, p] = alpha * sum_{c in group g} x[n, c, p]^2 + beta`."""
     pid = tl.program_id(0)
-    n = (pid // NPB).to(tl.int64)
+    n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
     p_mask = p < P
-    x_pos = n * sxn + _spatial(p, W, sxh, sxw, FLAT)
     if GROUPED:
         g = tl.program_id(1)
         acc = tl.zeros([BP], tl.float32)
         for c0 in range(0, CPG, BC):
             local = c0 + tl.arange(0, BC)
-            c = g * CPG + local
             mask = p_mask[:, None] & (local < CPG)[None, :]
-            v = tl.load(x_ptr + x_pos[:, None] + c[None, :].to(tl.int64) * sxc, mask=mask, other=0.).to(tl.float32)
+            offsets = _offsets(n, p, g * CPG + local, sxn, sxc, sxh, sxw, W, FLAT, I64)
+            v = tl.load(x_ptr + offsets, mask=mask, other=0.).to(tl.float32)
             acc += tl.sum(v * v, axis=1)
-        tl.store(q_ptr + (n * G + g) * P + p, acc * alpha + beta, mask=p_mask)
+        tl.store(q_ptr + _map_index(n, G, g, P, p, I64), acc * alpha + beta, mask=p_mask)
     else:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         mask = p_mask[:, None] & (c < C)[None, :]
-        v = tl.load(x_ptr + x_pos[:, None] + c[None, :].to(tl.int64) * sxc, mask=mask, other=0.).to(tl.float32)
-        tl.store(q_ptr + (n * C + c[None, :]) * P + p[:, None], v * v * alpha + beta, mask=mask)
+        v = tl.load(x_ptr + _offsets(n, p, c, sxn, sxc, sxh, sxw, W, FLAT, I64), mask=mask, other=0.).to(tl.float32)
+        tl.store(q_ptr + _map_index(n, C, c[None, :], P, p[:, None], I64), v * v * alpha + beta, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
 def _scale_kernel(
-        y_ptr, syn, syc, syh, syw, b_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw, out_ptr, son, soc, soh, sow,
-        C, P, W, CPG, G, NPB, alpha,
-        BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr,
-        ACT: tl.constexpr, FLAT: tl.constexpr):
-    """`out = act(base + alpha * y * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or `b`."""
+        y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
+        out_ptr, son, soc, soh, sow, C, P, W, CPG, G, NPB, alpha,
+        BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
+        HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
+        I64: tl.constexpr):
+    """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or
+    `b`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three)."""
     pid = tl.program_id(0)
-    n = (pid // NPB).to(tl.int64)
+    n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (p < P)[:, None] & (c < C)[None, :]
-    c64 = c[None, :].to(tl.int64)
-    y = tl.load(y_ptr + (n * syn + _spatial(p, W, syh, syw, FLAT))[:, None] + c64 * syc, mask=mask, other=0.)
-    m = tl.load(b_ptr + (n * G + c[None, :] // CPG) * P + p[:, None], mask=mask, other=1.)
+    y_offsets = _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
+    m = tl.load(b_ptr + _map_index(n, G, c[None, :] // CPG, P, p[:, None], I64), mask=mask, other=1.)
     if RSQRT:
         m = tl.rsqrt(m)
-    z = y.to(tl.float32) * m * alpha
+    z = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
+    z *= m * alpha
+    if HAS_GAIN:
+        z *= tl.load(gain_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
     if HAS_PB:
         z += tl.load(pb_ptr + c, mask=c < C, other=0.).to(tl.float32)[None, :]
     if HAS_BASE:
-        base = base_ptr + (n * sbn + _spatial(p, W, sbh, sbw, FLAT))[:, None] + c64 * sbc
-        z += tl.load(base, mask=mask, other=0.).to(tl.float32)
-    z = _activation(z, ACT)
-    out = out_ptr + (n * son + _spatial(p, W, soh, sow, FLAT))[:, None] + c64 * soc
-    tl.store(out, z.to(out_ptr.dtype.element_ty), mask=mask)
+        base_offsets = y_offsets if SAME else _offsets(n, p, c, sbn, sbc, sbh, sbw, W, FLAT, I64)
+        z += tl.load(base_ptr + base_offsets, mask=mask, other=0.).to(tl.float32)
+    out_offsets = y_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
+    tl.store(out_ptr + out_offsets, _activation(z, ACT).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _scale_backward_kernel(
-        g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, pb_ptr, gy_ptr, son, soc, soh, sow,
-        t_ptr, pbp_ptr, C, P, W, CPG, G, NPB,
-        BP: tl.constexpr, BC: tl.constexpr, HAS_PB: tl.constexpr, ACT: tl.constexpr,
-        WRITE_PB: tl.constexpr, GROUPED: tl.constexpr, FLAT: tl.constexpr):
-    """ The output pass's backward, `out = act(y r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`:
+def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask,
+                         mask, r, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
+                         ACT: tl.constexpr):
+    """ `(ga, ga gain y, ga y r, ga gain r)` of one tile, `y` with its bias, `dL/dy = ga gain r` stored; `r`
+    broadcasts over the tile.
 
-        ga = g act'(y r + pb),   dL/dy = ga r,   t[n, group, p] = r^3 sum_{c in group} ga y,
-        pbp[program, c] = sum over the program's positions of ga   (summed over programs: dL/dpb)
+    `ga = g act'(gain y r + pb)` is the gradient of the pre-activation: its sum is dL/dpb, its sum times `y r`
+    dL/dgain, and the sum of dL/dy dL/dbias."""
+    g = tl.load(g_ptr + g_offsets, mask=mask, other=0.).to(tl.float32)
+    y = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
+    if HAS_GAIN:
+        gain = tl.load(gain_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
+    if ACT != 0:
+        z = y * r
+        if HAS_GAIN:
+            z *= gain
+        if HAS_PB:
+            z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
+        g = g * _activation_grad(z, ACT)
+    g_lin = g * gain if HAS_GAIN else g
+    gy = g_lin * r
+    tl.store(gy_ptr + o_offsets, gy.to(gy_ptr.dtype.element_ty), mask=mask)
+    return g, g_lin * y, g * y * r, gy
+
+
+@triton.jit
+def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, g, gyr, dy, WRITE_PB: tl.constexpr,
+                    WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr):
+    """The program's sums over its positions of `g`, `gyr` and `dy`, those asked for, at `index` of each row."""
+    if WRITE_PB:
+        tl.store(pbp_ptr + index, tl.sum(g, axis=0), mask=c_mask)
+    if WRITE_GAIN:
+        tl.store(gp_ptr + index, tl.sum(gyr, axis=0), mask=c_mask)
+    if WRITE_BIAS:
+        tl.store(bp_ptr + index, tl.sum(dy, axis=0), mask=c_mask)
+
+
+@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
+def _scale_backward_kernel(
+        g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr,
+        gy_ptr, son, soc, soh, sow, t_ptr, pbp_ptr, gp_ptr, bp_ptr, C, P, W, CPG, G, NPB,
+        BP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
+        ACT: tl.constexpr, WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr, I64: tl.constexpr):
+    """ The output pass's backward, `out = act(gain (y + bias) r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`
+    (`y` below with its bias):
+
+        ga = g act'(gain y r + pb),   dL/dy = ga gain r,   t[n, group, p] = r^3 sum_{c in group} ga gain y,
+        pbp, gp, bp[program, c] = sums over the program's positions of ga, ga y r and dL/dy
+                                  (summed over programs: dL/dpb, dL/dgain and dL/dbias)
+
+    `SAME`: `y` and `dL/dy` have `g`'s strides, and one tile of offsets serves the three.
     """
     pid = tl.program_id(0)
-    n = (pid // NPB).to(tl.int64)
+    n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
     p_mask = p < P
-    g_pos = n * sgn + _spatial(p, W, sgh, sgw, FLAT)
-    y_pos = n * syn + _spatial(p, W, syh, syw, FLAT)
-    o_pos = n * son + _spatial(p, W, soh, sow, FLAT)
     if GROUPED:
         grp = tl.program_id(1)
-        r = tl.rsqrt(tl.load(b_ptr + (n * G + grp) * P + p, mask=p_mask, other=1.))
+        map_index = _map_index(n, G, grp, P, p, I64)
+        r = tl.rsqrt(tl.load(b_ptr + map_index, mask=p_mask, other=1.))
         acc = tl.zeros([BP], tl.float32)
         for c0 in range(0, CPG, BC):
             local = c0 + tl.arange(0, BC)
             c = grp * CPG + local
             c_mask = local < CPG
             mask = p_mask[:, None] & c_mask[None, :]
-            c64 = c[None, :].to(tl.int64)
-            g = tl.load(g_ptr + g_pos[:, None] + c64 * sgc, mask=mask, other=0.).to(tl.float32)
-            y = tl.load(y_ptr + y_pos[:, None] + c64 * syc, mask=mask, other=0.).to(tl.float32)
-            if ACT != 0:
-                z = y * r[:, None]
-                if HAS_PB:
-                    z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
-                g = g * _activation_grad(z, ACT)
-            tl.store(gy_ptr + o_pos[:, None] + c64 * soc, (g * r[:, None]).to(gy_ptr.dtype.element_ty), mask=mask)
-            acc += tl.sum(g * y, axis=1)
-            if WRITE_PB:
-                tl.store(pbp_ptr + pid.to(tl.int64) * C + c, tl.sum(g, axis=0), mask=c_mask)
-        tl.store(t_ptr + (n * G + grp) * P + p, acc * r * r * r, mask=p_mask)
+            g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
+            y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
+            o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
+            g, gy, gyr, dy = _scale_backward_tile(
+                g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask, mask,
+                r[:, None], HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
+            acc += tl.sum(gy, axis=1)
+            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
+        tl.store(t_ptr + map_index, acc * r * r * r, mask=p_mask)
     else:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         c_mask = c < C
         mask = p_mask[:, None] & c_mask[None, :]
-        c64 = c[None, :].to(tl.int64)
-        map_pos = (n * C + c[None, :]) * P + p[:, None]
-        r = tl.rsqrt(tl.load(b_ptr + map_pos, mask=mask, other=1.))
-        g = tl.load(g_ptr + g_pos[:, None] + c64 * sgc, mask=mask, other=0.).to(tl.float32)
-        y = tl.load(y_ptr + y_pos[:, None] + c64 * syc, mask=mask, other=0.).to(tl.float32)
-        if ACT != 0:
-            z = y * r
-            if HAS_PB:
-                z += tl.load(pb_ptr + c, mask=c_mask, other=0.).to(tl.float32)[None, :]
-            g = g * _activation_grad(z, ACT)
-        tl.store(gy_ptr + o_pos[:, None] + c64 * soc, (g * r).to(gy_ptr.dtype.element_ty), mask=mask)
-        tl.store(t_ptr + map_pos, g * y * r * r * r, mask=mask)
-        if WRITE_PB:
-            tl.store(pbp_ptr + pid.to(tl.int64) * C + c, tl.sum(g, axis=0), mask=c_mask)
+        map_index = _map_index(n, C, c[None, :], P, p[:, None], I64)
+        r = tl.rsqrt(tl.load(b_ptr + map_index, mask=mask, other=1.))
+        g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
+        y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
+        o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
+        g, gy, gyr, dy = _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets,
+                                              o_offsets, c, c_mask, mask, r, HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
+        tl.store(t_ptr + map_index, gy * r * r * r, mask=mask)
+        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
+
+
+def _launch(kernel, grid, *args, **constexprs) -> None:
+    """`kernel[grid](*args, **constexprs)`; a failure to build or launch it is raised as a `KernelError` naming it."""
+    try:
+        kernel[grid](*args, **constexprs)
+    except Exception as error:
+        raise KernelError(f'the Triton kernel {kernel.__name__} failed: {type(error).__name__}: {error}') from error
+
+
+def _or(tensor: Optional[torch.Tensor], placeholder: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel does not read where `tensor` is None (its constant says so)."""
+    return placeholder if tensor is None else tensor
 
 
 def _pow2(n: int) -> int:
@@ -174,13 +240,25 @@ def _flat(*tensors: torch.Tensor) -> bool:
     return all(t.shape[2] == 1 or t.stride(2) == t.shape[3] * t.stride(3) for t in tensors)
 
 
-def _tiles(channels: int, positions: int, x: torch.Tensor):
-    """(BP, BC): a tile long in the dimension whose elements are adjacent in `x` (channels in channels-last)."""
+def _i64(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset of one of the tensors can reach 2^31: then the kernel computes offsets in 64 bits."""
+    return any(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) >= 2 ** 31 - 1
+               for t in tensors)
+
+
+def _same(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the tensors share `x`'s strides, so one tile of offsets serves them all."""
+    return all(t.stride() == x.stride() for t in others)
+
+
+def _tiles(channels: int, positions: int, x: torch.Tensor, tile: int = _TILE):
+    """(BP, BC): a tile of at most `tile` elements, long in the dimension whose elements are adjacent in `x`
+    (channels in channels-last)."""
     if x.stride(1) == 1 or positions == 1:
-        bc = min(_pow2(channels), 128 if positions > 1 else _TILE)
-        return min(_pow2(positions), max(1, _TILE // bc)), bc
+        bc = min(_pow2(channels), 128 if positions > 1 else tile)
+        return min(_pow2(positions), max(1, tile // bc)), bc
     bp = min(_pow2(positions), 256)
-    return bp, min(_pow2(channels), max(1, _TILE // bp))
+    return bp, min(_pow2(channels), max(1, tile // bp))
 
 
 def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float = 0.) -> torch.Tensor:
@@ -192,16 +270,17 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     bp, bc = _tiles(cpg if grouped else c, p, x)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
-    _channel_sq_norm_kernel[grid](
-        x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta, BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x))
+    _launch(_channel_sq_norm_kernel, grid, x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta,
+            BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x), I64=_i64(x, q), num_warps=_WARPS)
     return q
 
 
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
-          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """ `act(base + alpha * y * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`) or `m`, `m`
-    with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
+          out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
+          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """ `act(base + alpha * gain * (y + bias) * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`)
+    or `m`, `m` with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
     n, c, h, w = y.shape
     if out is None:
         out = torch.empty_like(y)
@@ -209,35 +288,49 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
     groups, p = m.shape[1], h * w
     bp, bc = _tiles(c, p, y)
     npb = triton.cdiv(p, bp)
+    others = (out,) if base is None else (out, base)
     base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
-    _scale_kernel[(n * npb, triton.cdiv(c, bc))](
-        y, *y.stride(), m, post_bias if post_bias is not None else m, *base_args, out, *out.stride(),
+    _launch(
+        _scale_kernel, (n * npb, triton.cdiv(c, bc)),
+        y, *y.stride(), m, _or(bias, m), _or(gain, m), _or(post_bias, m), *base_args, out, *out.stride(),
         c, p, w, c // groups, groups, npb, alpha,
-        BP=bp, BC=bc, RSQRT=rsqrt, HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
-        FLAT=_flat(y, out, *(() if base is None else (base,))))
+        BP=bp, BC=bc, RSQRT=rsqrt, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None,
+        HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
+        FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), num_warps=_WARPS)
     return out
 
 
 def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bias: Optional[torch.Tensor],
-                   act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None):
-    """ `(dL/dy, t, dL/dpost_bias or None)` for `out = act(y rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
-    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, dL/dpost_bias in
-    float32."""
+                   act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None,
+                   gain: Optional[torch.Tensor] = None, gain_grad: bool = False, bias: Optional[torch.Tensor] = None,
+                   bias_grad: bool = False):
+    """ `(dL/dy, t, affine)` for `out = act(gain (y + bias) rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
+    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, `affine` the rows
+    dL/dpost_bias, dL/dgain and dL/dbias (those asked for, in this order) of one float32 matrix, or None."""
     n, c, h, w = y.shape
     b = b.contiguous()
     groups, p = b.shape[1], h * w
     cpg = c // groups
     grouped = cpg > 1
-    bp, bc = _tiles(cpg if grouped else c, p, y)
+    same = _same(grad, y, grad_y if grad_y is not None else y)
+    # three tiles of offsets where the layouts differ: half the elements keep a thread's registers within 96
+    bp, bc = _tiles(cpg if grouped else c, p, y, _TILE if same else _TILE // 2)
     npb = triton.cdiv(p, bp)
     grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
     if grad_y is None:
         grad_y = torch.empty_like(y)
     t = torch.empty_like(b)
-    partial = torch.empty((grid[0], c), device=y.device, dtype=torch.float32) if post_bias_grad else t
-    _scale_backward_kernel[grid](
-        grad, *grad.stride(), y, *y.stride(), b, post_bias if post_bias is not None else b, grad_y, *grad_y.stride(),
-        t, partial, c, p, w, cpg, groups, npb,
-        BP=bp, BC=bc, HAS_PB=post_bias is not None, ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, GROUPED=grouped,
-        FLAT=_flat(grad, y, grad_y))
-    return grad_y, t, partial.sum(0) if post_bias_grad else None
+    # the programs' partial sums of the parameters' gradients, reduced in one launch
+    asked = (post_bias_grad, gain_grad, bias_grad)
+    partials = torch.empty((sum(asked), grid[0], c), device=y.device, dtype=torch.float32)
+    rows = iter(partials)
+    post_bias_part, gain_part, bias_part = (next(rows) if wanted else t for wanted in asked)
+    _launch(
+        _scale_backward_kernel, grid,
+        grad, *grad.stride(), y, *y.stride(), b, _or(bias, b), _or(gain, b), _or(post_bias, b),
+        grad_y, *grad_y.stride(), t, post_bias_part, gain_part, bias_part, c, p, w, cpg, groups, npb,
+        BP=bp, BC=bc, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None,
+        ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, WRITE_BIAS=bias_grad, GROUPED=grouped,
+        FLAT=_flat(grad, y, grad_y), SAME=same, I64=_i64(grad, y, grad_y, b, partials),
+        num_warps=_WARPS)
+    return grad_y, t, partials.sum(1) if any(asked) else None

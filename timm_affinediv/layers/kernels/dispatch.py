@@ -10,13 +10,22 @@ Read in one place, like timm's `set_fast_norm`/`is_fast_norm`: the environment v
 
 Float64 tensors and the export paths (`portable_ops()`: TorchScript, torch.export, ONNX) always take torch's
 operations.
+
+A kernel that fails to build or launch (a GPU, driver or Triton the kernels were not tested on) raises under
+`triton`; under `auto` it warns once and the process continues on torch's operations (`kernel_failed`): the custom
+ops, the failed one included, compute on torch twins of the kernels (`_torch`), so training goes on with the same
+numbers and every layer keeps the path it took (a fused slot's activation is applied once).
 """
 import importlib.util
 import os
+import warnings
 
 import torch
 
-__all__ = ['KERNEL_MODES', 'set_kernels', 'kernels_mode', 'triton_available', 'use_triton', 'kernel_path']
+from ...errors import AffineDivError
+
+__all__ = ['KERNEL_MODES', 'KernelError', 'set_kernels', 'kernels_mode', 'triton_available', 'use_triton',
+           'kernel_path', 'kernel_failed', 'fell_back']
 
 KERNEL_MODES = ('auto', 'triton', 'torch')
 _ENV = 'TIMM_AFFINEDIV_KERNELS'
@@ -39,6 +48,7 @@ def set_kernels(mode: str = 'auto') -> None:
         raise RuntimeError("set_kernels('triton'): Triton is not installed; install torch's CUDA build (it ships "
                            "Triton) or `pip install triton`, or use 'auto'/'torch'")
     _MODE = mode
+    _fall_back(None)
 
 
 def kernels_mode() -> str:
@@ -61,12 +71,44 @@ def kernel_path(device: torch.device, dtype: torch.dtype = torch.float32) -> str
     """'triton' or 'torch': the path the layers take for tensors of `device` and `dtype` (outside export)."""
     if _MODE == 'torch' or dtype not in _KERNEL_DTYPES or not triton_available():
         return 'torch'
-    device = torch.device(device)
-    if device.type == 'cuda' or (_MODE == 'triton' and device.type == 'cpu' and _interpreting()):
-        return 'triton'
-    return 'torch'
+    return 'triton' if _runs_kernels(torch.device(device)) else 'torch'
+
+
+def _runs_kernels(device: torch.device) -> bool:
+    """CUDA devices, and the CPU under Triton's interpreter where the kernels are asked for (`triton`)."""
+    return device.type == 'cuda' or (_MODE == 'triton' and device.type == 'cpu' and _interpreting())
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the layers compute on `x` with the Triton kernels (the caller has ruled out the export paths)."""
     return kernel_path(x.device, x.dtype) == 'triton'
+
+
+class KernelError(AffineDivError, RuntimeError):
+    """A Triton kernel that failed to build or launch on this device."""
+
+
+_FAILURE = None  # the KernelError that sent `auto` to torch's operations for this process
+
+
+def _fall_back(failure) -> None:
+    global _FAILURE
+    _FAILURE = failure
+
+
+def fell_back() -> bool:
+    """Whether a kernel failed under `auto` and this process computes on torch's operations."""
+    return _FAILURE is not None and _MODE == 'auto'
+
+
+def kernel_failed(layer: str, failure: KernelError) -> None:
+    """ A kernel failed in `layer`: raise under `triton`; under `auto` warn (once) and take torch's operations from
+    here on, for the caller's operation too."""
+    if _MODE != 'auto':
+        raise KernelError(f'{layer}: {failure}; TIMM_AFFINEDIV_KERNELS=torch (or auto, which then falls back to '
+                          f'them) takes torch\'s operations') from failure
+    if _FAILURE is None:
+        warnings.warn(f'{layer}: {failure}; this process continues on torch\'s operations (the same results, '
+                      f'slower): set TIMM_AFFINEDIV_KERNELS=torch to take them from the start', RuntimeWarning,
+                      stacklevel=3)
+    _fall_back(failure)

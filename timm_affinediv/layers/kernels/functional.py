@@ -62,10 +62,10 @@ class _NormMapCache:
 _norm_maps = _NormMapCache()
 
 
-def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gain: Optional[torch.Tensor],
                      post_bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
                      groups: int, c: int, offset: float, act: str = 'none') -> torch.Tensor:
-    """`act(conv(x) / s(P) + post_bias)` (zero, symmetric `padding`), see `ops.patchnorm_conv2d`."""
+    """`act(gain conv(x) / s(P) + post_bias)` (zero, symmetric `padding`), see `ops.patchnorm_conv2d`."""
     dtype = _autocast_dtype(x)
     x = x.to(dtype)
     shared = tuple(weight.shape[2:]) == (1, 1) and not any(padding) and not torch.compiler.is_compiling()
@@ -73,7 +73,7 @@ def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     full_map = _norm_maps.get(x, key) if shared else None
     with torch.autocast(x.device.type, enabled=False):
         out, _, norm_map = ops.patchnorm_conv2d(
-            x, weight.to(dtype), None if bias is None else bias.to(dtype), post_bias, list(stride), list(padding),
+            x, weight.to(dtype), bias, gain, post_bias, list(stride), list(padding),
             list(dilation), groups, c, offset, act,
             None if full_map is None else full_map[:, :, ::stride[0], ::stride[1]])
     if shared and full_map is None and tuple(stride) == (1, 1):
@@ -82,13 +82,13 @@ def patchnorm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
 
 
 def affine_div_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      post_bias: Optional[torch.Tensor], c: int, offset: float) -> torch.Tensor:
-    """`(x W^T + b) / s(x) + post_bias` over the last dim of `x`, see `ops.affine_div_linear`."""
+                      gain: Optional[torch.Tensor], post_bias: Optional[torch.Tensor], c: int,
+                      offset: float) -> torch.Tensor:
+    """`gain (x W^T + b) / s(x) + post_bias` over the last dim of `x`, see `ops.affine_div_linear`."""
     dtype = _autocast_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         out, _, _ = ops.affine_div_linear(
-            x.to(dtype).reshape(-1, x.shape[-1]), weight.to(dtype), None if bias is None else bias.to(dtype),
-            post_bias, c, offset)
+            x.to(dtype).reshape(-1, x.shape[-1]), weight.to(dtype), bias, gain, post_bias, c, offset)
     return out.reshape(x.shape[:-1] + (weight.shape[0],))
 
 

@@ -12,21 +12,59 @@ PatchNormConv2d, `y = conv(x) (+ bias)` and `r = ((box(q) + offset) / c)^(-1/2)`
 
 AffineDivLinear is the case of rows (`box` the identity), and the L2 normaliser `out = x r`,
 `r = (|x|^2 / c + eps)^(-1/2)`, has `dL/dx = g r - x t / c`, `t = r^3 <g, x>`.
+
+An op whose kernel fails to build or launch completes on `_torch`'s twins of the launchers under `auto`
+(`dispatch.kernel_failed`), as every op after it does.
 """
-from typing import List, Optional, Tuple
+import functools
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..affine_div import box_sum
+from ..patches import box_sum
+from . import _torch, dispatch
 
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 
 
 def _kernels():
+    """The launchers: `_triton`'s, or their torch twins once a kernel has failed under `auto`."""
+    if dispatch.fell_back():
+        return _torch
     from . import _triton  # defines the kernels on first use, after TRITON_INTERPRET is set
     return _triton
+
+
+def _falls_back(layer: Callable[..., str]):
+    """ An op body that, where a kernel fails, reports it (`dispatch.kernel_failed`: raises under `triton`) and runs
+    again on the torch twins; `layer(*args)` describes the layer for the report."""
+    def decorate(body):
+        @functools.wraps(body)
+        def run(*args, **kwargs):
+            try:
+                return body(*args, **kwargs)
+            except dispatch.KernelError as failure:
+                dispatch.kernel_failed(layer(*args, **kwargs), failure)
+                return body(*args, **kwargs)
+        return run
+    return decorate
+
+
+def _conv_layer(x: Tensor, weight: Tensor, stride: List[int], padding: List[int], dilation: List[int],
+                groups: int) -> str:
+    return (f'PatchNormConv2d({x.shape[1]}, {weight.shape[0]}, kernel_size={tuple(weight.shape[2:])}, '
+            f'stride={tuple(stride)}, padding={tuple(padding)}, dilation={tuple(dilation)}, groups={groups}) '
+            f'on a {x.dtype} input of shape {list(x.shape)}')
+
+
+def _linear_layer(x: Tensor, weight: Tensor, *_) -> str:
+    return f'AffineDivLinear({weight.shape[1]}, {weight.shape[0]}) on {x.shape[0]} {x.dtype} rows'
+
+
+def _normaliser(x: Tensor, *_) -> str:
+    return f'the L2 normaliser of a {x.dtype} input of shape {list(x.shape)}'
 
 
 def _unused(x: Tensor) -> Tensor:
@@ -38,6 +76,11 @@ def _pointwise(kernel_size: List[int], padding: List[int]) -> bool:
     return list(kernel_size) == [1, 1] and not any(padding)
 
 
+def _poolable(kernel_size: List[int], padding: List[int], dilation: List[int]) -> bool:
+    """Whether the box filter is an average pooling's window (no dilation, at most half a window of padding)."""
+    return list(dilation) == [1, 1] and all(p <= k // 2 for p, k in zip(padding, kernel_size))
+
+
 def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
                     groups: int, c: int, offset: float) -> Tensor:
     """`b = (|P_p|^2 + offset) / c` per group and output position, float32: `r = rsqrt(b)`."""
@@ -46,6 +89,10 @@ def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], paddin
         # a 1x1 map reads only every stride-th position, and its box filter is the identity
         return kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
     q = kernels.channel_sq_norm(x, groups)
+    if _poolable(kernel_size, padding, dilation):
+        # the window sum of any number of channels with no filter tensor to fill (box_sum's convolution for many
+        # channels is the faster one on a CPU, not worth its two fills a step on a GPU)
+        return F.avg_pool2d(q, kernel_size, stride, padding, divisor_override=c).add_(offset / c)
     ph, pw = padding
     return box_sum(q, tuple(kernel_size), tuple(stride), (pw, pw, ph, ph), tuple(dilation), c, offset / c, groups)
 
@@ -58,76 +105,106 @@ def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int],
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
         kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
         return
-    groups, (h, w) = t.shape[1], x.shape[2:]
-    kernel = t.new_ones((groups, 1, *kernel_size))
-    # the transposed convolution's output is one row/column short where the forward's windows left input unread
-    output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
-        (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
-    box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
+    (n, groups), (h, w) = t.shape[:2], x.shape[2:]
+    if _poolable(kernel_size, padding, dilation):
+        # the adjoint of a window sum is the backward of an average pooling whose divisor is 1
+        box_adjoint = torch.ops.aten.avg_pool2d_backward(
+            t, t.new_empty((n, groups, h, w)), kernel_size, stride, padding, False, True, 1)
+    else:
+        kernel = t.new_ones((groups, 1, *kernel_size))
+        # the transposed convolution's output is one row/column short where the forward's windows left input unread
+        output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
+            (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
+        box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
     kernels.scale(x, box_adjoint, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
-def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor],
-                     stride: List[int], padding: List[int], dilation: List[int], groups: int, c: int, offset: float,
-                     act: str, norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-    """ `(out, y, b)`: `out = act(conv(x) rsqrt(b) + post_bias)`, `y = conv(x)`, `b` as `_patch_norm_map`.
+@_falls_back(lambda x, weight, bias, gain, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
+    x, weight, stride, padding, dilation, groups))
+def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+                     post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int],
+                     groups: int, c: int, offset: float, act: str,
+                     norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(out, y, b)`: `out = act(gain (y + bias) rsqrt(b) + post_bias)`, `y = conv(x)` without its bias, `b` as
+    `_patch_norm_map`.
 
-    `norm_map`: `b`, where the caller has it (another map of the same input with the same `c` and `offset`).
+    The bias, `gain` and `post_bias` (a fused slot's affine) are applied in the output pass, in float32: not folded
+    into the weight, nor the bias cast to the convolution's dtype, each of which would cost launches forward and
+    backward every step. `norm_map`: `b`, where the caller has it (another map of the same input with the same `c`
+    and `offset`).
     """
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+    y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     if norm_map is None:
         b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
     else:
         b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
-    return _kernels().scale(y, b, post_bias, act), y, b
+    return _kernels().scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
 
 
 @patchnorm_conv2d.register_fake
-def _(x, weight, bias, post_bias, stride, padding, dilation, groups, c, offset, act, norm_map=None):
-    y = torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0, 0], groups)
+def _(x, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, offset, act, norm_map=None):
+    y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     n, _, h, w = y.shape
     return torch.empty_like(y), y, y.new_empty((n, groups, h, w), dtype=torch.float32)
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d_backward', mutates_args=())
-def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor,
-                              post_bias: Optional[Tensor], stride: List[int], padding: List[int],
-                              dilation: List[int], groups: int, c: int, act: str, has_bias: bool,
-                              output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(dL/dx, dL/dweight, dL/dbias, dL/dpost_bias)`, empty where `output_mask` is False."""
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
-    needs_post_bias = needs_post_bias and post_bias is not None
-    grad_y, t, grad_post_bias = _kernels().scale_backward(grad, y, b, post_bias, act, needs_post_bias)
-    grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-        grad_y, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation, False, [0, 0],
-        groups, [needs_x, needs_weight, needs_bias and has_bias])
+@_falls_back(lambda grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, groups, *_: _conv_layer(
+    x, weight, stride, padding, dilation, groups))
+def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, bias: Optional[Tensor],
+                              gain: Optional[Tensor], post_bias: Optional[Tensor], stride: List[int],
+                              padding: List[int], dilation: List[int], groups: int, c: int, act: str,
+                              output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(dL/dx, dL/dweight, affine)`, empty where `output_mask` (x, weight, bias, gain, post_bias) is False;
+    `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for; one reduction gives them)."""
+    needs_x, needs_weight, *needs_affine = output_mask
+    needs_bias, needs_gain, needs_post_bias = (
+        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
+    grad_y, t, affine = _kernels().scale_backward(
+        grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
+    grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad_y, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [needs_x, needs_weight, False])
     if needs_x:
         _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c)
     return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
-            grad_bias if needs_bias and has_bias else _unused(x),
-            grad_post_bias.to(post_bias.dtype) if needs_post_bias else _unused(x))
+            _unused(x) if affine is None else affine)
 
 
 @patchnorm_conv2d_backward.register_fake
-def _(grad, x, weight, y, b, post_bias, stride, padding, dilation, groups, c, act, has_bias, output_mask):
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+def _(grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, groups, c, act, output_mask):
+    needs_x, needs_weight, *needs_affine = output_mask
+    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            x.new_empty(weight.shape[0]) if needs_bias and has_bias else _unused(x),
-            torch.empty_like(post_bias) if needs_post_bias and post_bias is not None else _unused(x))
+            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
+
+
+def _affine_grads(affine: Tensor, mask: List[bool], bias: Optional[Tensor], gain: Optional[Tensor],
+                  post_bias: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """`(dL/dbias, dL/dgain, dL/dpost_bias)` from the backward op's `affine` rows (those `mask[2:]` asked for)."""
+    rows = iter(affine)  # dL/dpost_bias, dL/dgain, dL/dbias: those asked for, in this order
+    grad_post_bias, grad_gain, grad_bias = (
+        next(rows).to(p.dtype) if needed and p is not None else None
+        for needed, p in zip(mask[:1:-1], (post_bias, gain, bias)))
+    return grad_bias, grad_gain, grad_post_bias
 
 
 def _setup_patchnorm(ctx, inputs, output):
-    x, weight, bias, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2], post_bias)
-    ctx.geometry = (stride, padding, dilation, groups, c, act, bias is not None)
+    x, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, _, act, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2], bias, gain, post_bias)
+    ctx.set_materialize_grads(False)  # `y` and `b` are the backward's, never the loss's: no zero gradients for them
+    ctx.geometry = (stride, padding, dilation, groups, c, act)
 
 
 def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
-    x, weight, y, b, post_bias = ctx.saved_tensors
-    mask = list(ctx.needs_input_grad[:4])
-    grads = patchnorm_conv2d_backward(grad, x, weight, y, b, post_bias, *ctx.geometry, mask)
-    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None,) * 8
+    if grad is None:  # the output did not reach the loss
+        return (None,) * 13
+    x, weight, y, b, bias, gain, post_bias = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:5])
+    grad_x, grad_weight, affine = patchnorm_conv2d_backward(
+        grad, x, weight, y, b, bias, gain, post_bias, *ctx.geometry, mask)
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None,
+            *_affine_grads(affine, mask, bias, gain, post_bias)) + (None,) * 8
 
 
 patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
@@ -139,66 +216,76 @@ def _as_maps(rows: Tensor) -> Tensor:
 
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear', mutates_args=())
-def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], post_bias: Optional[Tensor], c: int,
-                      offset: float) -> Tuple[Tensor, Tensor, Tensor]:
-    """`(out, y, b)` for the rows of `x`: `out = (x W^T + bias) rsqrt(b) + post_bias`, `b = (|x|^2 + offset) / c`."""
+@_falls_back(_linear_layer)
+def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+                      post_bias: Optional[Tensor], c: int, offset: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """ `(out, y, b)` for the rows of `x`: `out = gain (x W^T + bias) rsqrt(b) + post_bias`, `y = x W^T`,
+    `b = (|x|^2 + offset) / c`; the bias and the affine in the output pass, as `patchnorm_conv2d`'s."""
     kernels = _kernels()
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, weight)
     b = kernels.channel_sq_norm(_as_maps(x), 1, 1. / c, offset / c)
     out = torch.empty_like(y)
-    kernels.scale(_as_maps(y), b, post_bias, out=_as_maps(out))
+    kernels.scale(_as_maps(y), b, post_bias, out=_as_maps(out), gain=gain, bias=bias)
     return out, y, b
 
 
 @affine_div_linear.register_fake
-def _(x, weight, bias, post_bias, c, offset):
+def _(x, weight, bias, gain, post_bias, c, offset):
     y = x.new_empty((x.shape[0], weight.shape[0]))
     return torch.empty_like(y), y, x.new_empty((x.shape[0], 1, 1, 1), dtype=torch.float32)
 
 
 @torch.library.custom_op('timm_affinediv::affine_div_linear_backward', mutates_args=())
-def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, c: int,
-                               has_bias: bool, has_post_bias: bool,
-                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`(dL/dx, dL/dweight, dL/dbias, dL/dpost_bias)`, empty where `output_mask` is False."""
+@_falls_back(lambda grad, x, weight, *_: _linear_layer(x, weight))
+def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor, b: Tensor, bias: Optional[Tensor],
+                               gain: Optional[Tensor], post_bias: Optional[Tensor], c: int,
+                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """`(dL/dx, dL/dweight, affine)` as `patchnorm_conv2d_backward`'s."""
     kernels = _kernels()
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+    needs_x, needs_weight, *needs_affine = output_mask
+    needs_bias, needs_gain, needs_post_bias = (
+        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     grad_y = torch.empty_like(y)
-    _, t, _ = kernels.scale_backward(_as_maps(grad), _as_maps(y), b, None, 'none', False, grad_y=_as_maps(grad_y))
+    _, t, affine = kernels.scale_backward(
+        _as_maps(grad), _as_maps(y), b, post_bias, 'none', needs_post_bias, grad_y=_as_maps(grad_y), gain=gain,
+        gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x = _unused(x)
     if needs_x:
         grad_x = grad_y @ weight
         kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x))
-    return (grad_x, grad_y.t() @ x if needs_weight else _unused(x),
-            grad_y.sum(0) if needs_bias and has_bias else _unused(x),
-            grad.sum(0) if needs_post_bias and has_post_bias else _unused(x))
+    return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
 
 
 @affine_div_linear_backward.register_fake
-def _(grad, x, weight, y, b, c, has_bias, has_post_bias, output_mask):
-    needs_x, needs_weight, needs_bias, needs_post_bias = output_mask
+def _(grad, x, weight, y, b, bias, gain, post_bias, c, output_mask):
+    needs_x, needs_weight, *needs_affine = output_mask
+    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            y.new_empty(y.shape[1]) if needs_bias and has_bias else _unused(x),
-            y.new_empty(y.shape[1]) if needs_post_bias and has_post_bias else _unused(x))
+            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
 
 
 def _setup_linear(ctx, inputs, output):
-    x, weight, bias, post_bias, c, _ = inputs
-    ctx.save_for_backward(x, weight, output[1], output[2])
-    ctx.args = (c, bias is not None, post_bias is not None)
+    x, weight, bias, gain, post_bias, c, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2], bias, gain, post_bias)
+    ctx.set_materialize_grads(False)
+    ctx.c = c
 
 
 def _backward_linear(ctx, grad, _grad_y, _grad_b):
-    x, weight, y, b = ctx.saved_tensors
-    mask = list(ctx.needs_input_grad[:4])
-    grads = affine_div_linear_backward(grad, x, weight, y, b, *ctx.args, mask)
-    return tuple(g if needed else None for g, needed in zip(grads, mask)) + (None, None)
+    if grad is None:
+        return (None,) * 7
+    x, weight, y, b, bias, gain, post_bias = ctx.saved_tensors
+    mask = list(ctx.needs_input_grad[:5])
+    grad_x, grad_weight, affine = affine_div_linear_backward(grad, x, weight, y, b, bias, gain, post_bias, ctx.c, mask)
+    return (grad_x if mask[0] else None, grad_weight if mask[1] else None,
+            *_affine_grads(affine, mask, bias, gain, post_bias), None, None)
 
 
 affine_div_linear.register_autograd(_backward_linear, setup_context=_setup_linear)
 
 
 @torch.library.custom_op('timm_affinediv::l2_normalise_channels', mutates_args=())
+@_falls_back(_normaliser)
 def l2_normalise_channels(x: Tensor, c: int, eps: float) -> Tuple[Tensor, Tensor]:
     """`(x rsqrt(b), b)` over dim 1 of an (N, C, H, W) tensor, `b = |x|^2 / c + eps` (float32)."""
     kernels = _kernels()
@@ -213,10 +300,11 @@ def _(x, c, eps):
 
 
 @torch.library.custom_op('timm_affinediv::l2_normalise_channels_backward', mutates_args=())
+@_falls_back(lambda grad, x, *_: _normaliser(x))
 def l2_normalise_channels_backward(grad: Tensor, x: Tensor, b: Tensor, c: int) -> Tensor:
     """`dL/dx = g r - x t / c`, `t = r^3 <g, x>`."""
     kernels = _kernels()
-    grad_x, t, _ = kernels.scale_backward(grad, x, b, None, 'none', False)
+    grad_x, t = kernels.scale_backward(grad, x, b, None, 'none', False)[:2]
     return kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
 
 
@@ -227,10 +315,13 @@ def _(grad, x, b, c):
 
 def _setup_l2(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], output[1])
+    ctx.set_materialize_grads(False)
     ctx.c = inputs[1]
 
 
 def _backward_l2(ctx, grad, _grad_b):
+    if grad is None:
+        return None, None, None
     x, b = ctx.saved_tensors
     return l2_normalise_channels_backward(grad, x, b, ctx.c), None, None
 

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+""" Kernel launches in one train step of a patchnorm model on the Triton path against the model with its native norm,
+counted on the CPU
+
+A train step is forward, cross-entropy, backward and an SGD step (momentum, foreach), in bfloat16 autocast on
+channels-last tensors, after one warm-up step. In eager mode every aten operation that is not a view, an allocation
+or metadata is one kernel launch on a GPU, and so is every Triton kernel call: the count is the outermost aten
+operations of a profiler trace (custom ops transparent: the operations inside them count) plus the Triton launches.
+The kernels' values come from their torch twins (`layers/kernels/_torch.py`), which the count leaves out, so no
+interpreter is needed; the launchers' own operations (allocations, the reduction of partial sums) count.
+
+    python scripts/launch_count.py                       # resnet50, convnext_tiny: 64 px, batch 2
+    python scripts/launch_count.py --models resnet18 --top 10
+"""
+import collections
+import sys
+from typing import Dict, Tuple
+
+import timm
+import torch
+import torch.nn.functional as F
+
+import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
+from timm_affinediv.cli import run_main
+from timm_affinediv.commands import command_parser
+
+# views, allocations and metadata: no kernel on a GPU (a dtype or layout copy, `_to_copy`, is counted inside `to`)
+FREE = {
+    'detach', 'view', '_unsafe_view', 't', 'transpose', 'permute', 'expand', 'as_strided', 'unsqueeze', 'squeeze',
+    'slice', 'select', 'alias', '_reshape_alias', 'reshape', 'empty', 'new_empty', 'lift_fresh', 'is_same_size',
+    'empty_like', 'empty_strided', 'new_empty_strided', 'detach_', 'result_type', 'resolve_conj', 'resolve_neg',
+    'size', 'stride', 'dim', 'contiguous', 'numel', 'to', '_to_copy', 'promote_types', 'unflatten', 'flatten', 'split',
+    'chunk', 'unbind', 'narrow', 'view_as', 'expand_as', 'movedim', 'unsafe_split', 'split_with_sizes',
+    'is_contiguous', 'item', '_local_scalar_dense'}
+_HIDDEN = 'kernel values (torch twin)'
+
+
+def _count_events(events) -> collections.Counter:
+    """Launching aten ops among the outermost ones (walking into custom ops, views' and copies' children)."""
+    counts = collections.Counter()
+
+    def walk(event, inside_aten: bool):
+        if event.name == _HIDDEN:
+            return
+        aten = event.name.startswith('aten::')
+        if aten and not inside_aten:
+            name = event.name[len('aten::'):]
+            if name not in FREE:
+                counts[name] += 1
+            if name in ('to', '_to_copy', 'contiguous'):  # their copy_ is the launch
+                for child in event.cpu_children:
+                    walk(child, False)
+                return
+        for child in event.cpu_children:
+            walk(child, inside_aten or aten)
+
+    for event in [e for e in events if e.cpu_parent is None]:
+        walk(event, False)
+    return counts
+
+
+def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.Counter, int]:
+    """(launching aten ops by name, Triton launches) of one train step."""
+    from timm_affinediv.layers.kernels import _torch, _triton, dispatch, ops, set_kernels
+    triton_launches = [0]
+
+    def launch(kernel, grid, *args, **constexprs):
+        triton_launches[0] += 1
+
+    class Counting:
+        """The Triton launchers, counting their launches; the values from the torch twins, out of the count."""
+        def __getattr__(self, launcher):
+            def run(*args, **kwargs):
+                getattr(_triton, launcher)(*args, **kwargs)
+                with torch.profiler.record_function(_HIDDEN):
+                    return getattr(_torch, launcher)(*args, **kwargs)
+            return run
+
+    saved = _triton._launch, ops._kernels, dispatch._runs_kernels, dispatch.kernels_mode()
+    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, Counting, lambda device: True
+    set_kernels('triton')
+    try:
+        torch.manual_seed(0)
+        kwargs = {'norm_layer': norm} if norm else {}
+        model = timm.create_model(name, **kwargs).to(memory_format=torch.channels_last).train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+        x = torch.randn(batch, 3, img_size, img_size).to(memory_format=torch.channels_last)
+        target = torch.randint(0, 1000, (batch,))
+
+        def step():
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        triton_launches[0] = 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        _triton._launch, ops._kernels, dispatch._runs_kernels = saved[:3]
+        set_kernels(saved[3])
+    return _count_events(prof.events()), triton_launches[0]
+
+
+def main(argv=None) -> int:
+    parser = command_parser('launch_count', __doc__, prog='scripts/launch_count.py')
+    parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
+    parser.add_argument('--img-size', type=int, default=64)
+    parser.add_argument('--batch-size', type=int, default=2)
+    parser.add_argument('--top', type=int, default=8, help='aten ops listed where patchnorm launches more')
+    args = parser.parse_args(argv)
+    print('| model | native | patchnorm (aten + Triton) | ratio | most added aten ops |')
+    print('|---|---:|---:|---:|---|')
+    for name in args.models:
+        native, _ = count(name, '', args.img_size, args.batch_size)
+        patchnorm, triton_launches = count(name, 'patchnorm', args.img_size, args.batch_size)
+        total_native, aten = sum(native.values()), sum(patchnorm.values())
+        added: Dict[str, int] = {op: n - native.get(op, 0) for op, n in patchnorm.items() if n > native.get(op, 0)}
+        top = ', '.join(f'{op} +{n}' for op, n in sorted(added.items(), key=lambda kv: -kv[1])[:args.top])
+        print(f'| {name} | {total_native} | {aten + triton_launches} ({aten} + {triton_launches}) | '
+              f'{(aten + triton_launches) / total_native:.2f}x | {top} |')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(run_main(main))
