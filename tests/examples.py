@@ -33,6 +33,7 @@ import re
 import runpy
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -171,7 +172,7 @@ NARROW: Dict[str, dict] = {
 BUDGET: Dict[str, int] = {
     '--epochs': 1, '--calib-images': 16, '--calib-batches': 2, '--reps': 4, '--rounds': 2, '--steps': 2,
     '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--batches': 2,
-    '--batch-size': 16, '-b': 16, '--eval-images': 64,
+    '--batch-size': 16, '-b': 16, '--eval-images': 64, '--img-size': 64,
 }
 #: Flags listing several values (runs of the same thing), cut to the first.
 FIRST_ONLY = ('--seeds', '--families')
@@ -400,13 +401,14 @@ batch_size: 16
 
 
 def budget_recipe(text: str) -> str:
-    """A train.py args.yaml with the settings of `BUDGET`'s flags capped (`batch_size: 1024` -> 16)."""
+    """A train.py args.yaml with the settings of `BUDGET`'s flags capped (`batch_size: 1024` -> 16; `img_size`, unset
+    for the model's own 224 px, 64)."""
     import yaml
     settings = yaml.safe_load(text)
     for key, value in settings.items():
         cap = BUDGET.get('--' + key.replace('_', '-'))
-        if cap is not None and isinstance(value, int):
-            settings[key] = min(value, cap)
+        if cap is not None and (isinstance(value, int) or key == 'img_size' and value is None):
+            settings[key] = cap if value is None else min(value, cap)
     return yaml.safe_dump(settings, sort_keys=False)
 
 
@@ -479,8 +481,16 @@ def _in_child(command: Command, words: List[str], timeout: float) -> Outcome:
         argv = [sys.executable, '-m', 'timm_affinediv', *words[1:]]
     else:
         argv = [sys.executable, str(SCRIPTS / Path(words[1]).name), *words[2:]]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **command.env})
-    return Outcome(proc.returncode, proc.stdout, proc.stderr)
+    # a session of its own: on a time-out the whole group goes, torchrun's workers included
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **command.env}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return Outcome(124, out, err + f'\ntimed out after {timeout} s')
+    return Outcome(proc.returncode, out, err)
 
 
 def run_command(command: Command, timeout: float = 300) -> Tuple[List[str], Outcome]:
