@@ -2,7 +2,8 @@
 calibration set, for full-width models (random weights: the cost does not depend on them).
 
     python scripts/bench_convert.py        # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
-    python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 --batch-size 8 --device cuda
+    python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 32 --batch-size 8 64 \\
+        --device cuda
 
 Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Each is the median of
 `--reps` paired rounds, a round timing one forward pass and one conversion next to each other (in alternate

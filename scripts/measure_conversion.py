@@ -3,7 +3,7 @@
 its ratio to one forward pass of the original over the same calibration images.
 
     python scripts/measure_conversion.py local-dir:runs/demo/baseline
-    python scripts/measure_conversion.py local-dir:runs/r50-bn/model 32
+    python scripts/measure_conversion.py local-dir:runs/demo/baseline 0 32
 """
 import sys
 import time

@@ -4,8 +4,8 @@ of the original and of the converted model (calibrated on `--calib-batches` batc
 with `--reconstruct-steps`, its blocks reconstructed on them; no labels, no fine-tuning) on the first
 `--test-images` test images, their top-1 agreement, and the conversion time.
 
-    python scripts/measure_family_conversion.py --model vit_tiny_patch16_224 --checkpoint run/model.safetensors \\
-        --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
+    python scripts/measure_family_conversion.py --model vit_tiny_patch16_224 \\
+        --checkpoint runs/vit-tiny/model.safetensors --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
 """
 import sys
 import time

@@ -7,7 +7,7 @@ with one mechanism changing what it meets, never its flags' names:
 
 - **Stand-in models**: the architectures the docs name (`resnet50`, `convnext_tiny`, `vit_small_patch16_224`, ...)
   are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win).
-- **Stand-in data**: Fashion-MNIST is a 384-image copy in the Debian IDX format; `PATH` is an image folder of
+- **Stand-in data**: Fashion-MNIST is a 1,024-image copy in the Debian IDX format; `PATH` is an image folder of
   Fashion-MNIST PNGs (`PATH/train/<class>/`, `PATH/validation/<class>/`).
 - **Stand-in Hub**: `HF_ENDPOINT` is a loopback Hub (`hub_server.py`) holding `timm/resnet50.a1_in1k` (the narrow
   stand-in's weights), so `--model resnet50.a1_in1k --pretrained` downloads through timm's real code.
@@ -189,7 +189,11 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/measure_family_conversion.py': {'--test-images': ['64']},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
+    'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},
 }
+#: Scripts that run in a child process without these variables of the test process: kernel_registers.py compiles
+#: the kernels, which the interpreter the kernel tests run (TRITON_INTERPRET=1) makes impossible.
+WITHOUT_ENV: Dict[str, Tuple[str, ...]] = {'scripts/kernel_registers.py': ('TRITON_INTERPRET',)}
 
 #: Placeholders the docs use for the reader's own things.
 PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', '/data/imagenet': 'imagenet', 'M': 'tinynet_e', 'FILE': 'args.yaml',
@@ -197,7 +201,7 @@ PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', '/data/imagenet': 'imagenet', 
                                 'original/': 'runs/baseline',
                                 'PATH/TO/pytorch-image-models': os.environ.get('TIMM_CHECKOUT', 'pytorch-image-models')}
 
-FASHION_MNIST_SIZES = {'train': 256, 't10k': 128}
+FASHION_MNIST_SIZES = {'train': 768, 't10k': 256}  # experiments.py --quick's 512+256 and 256
 
 
 def apply_budget(words: List[str]) -> List[str]:
@@ -380,6 +384,7 @@ PREPARED = {
     'imagenet': "the stand-in ImageNet folder: one small image of each of 1000 classes a split",
     'args.yaml': "a timm train.py args.yaml (RandAugment, mixup, LAMB)",
     'run/model.safetensors': 'a checkpoint of the stand-in model of measure_family_conversion (tinynet_e)',
+    'runs/vit-tiny/model.safetensors': 'a checkpoint of the narrow ViT of measure_family_conversion --help',
     'tests/data/recipes': "timm's published recipes (tests/data/recipes/*.yaml), their budget settings capped",
 }
 
@@ -482,8 +487,9 @@ def _in_child(command: Command, words: List[str], timeout: float) -> Outcome:
     else:
         argv = [sys.executable, str(SCRIPTS / Path(words[1]).name), *words[2:]]
     # a session of its own: on a time-out the whole group goes, torchrun's workers included
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **command.env}, start_new_session=True)
+    env = {k: v for k, v in {**os.environ, **command.env}.items() if k not in WITHOUT_ENV.get(words[1], ())}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -498,7 +504,7 @@ def run_command(command: Command, timeout: float = 300) -> Tuple[List[str], Outc
     words = apply_budget(command.words)
     if words[0] == 'python3':
         words[0] = 'python'
-    if command.env or words[0] == 'torchrun':
+    if command.env or words[0] == 'torchrun' or words[1] in WITHOUT_ENV:
         return words, _in_child(command, words, timeout)
     return words, _in_process(words)
 

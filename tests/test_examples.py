@@ -91,6 +91,10 @@ def store(standins, tmp_path_factory) -> Path:
     recipes.mkdir(parents=True)
     for recipe in (ROOT / 'tests' / 'data' / 'recipes').glob('*.yaml'):
         (recipes / recipe.name).write_text(budget_recipe(recipe.read_text()))
+    vit = timm.create_model('vit_tiny_patch16_224', num_classes=10, in_chans=1, img_size=32, patch_size=4,
+                            embed_dim=64, depth=4, num_heads=2)
+    (store / 'runs' / 'vit-tiny').mkdir()
+    save_file(vit.state_dict(), str(store / 'runs' / 'vit-tiny' / 'model.safetensors'))
     (store / 'run').mkdir()
     model = timm.create_model('tinynet_e', num_classes=10, in_chans=1)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(store / 'run' / 'model.safetensors'))

@@ -13,9 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from timm.data import resolve_model_data_config
-
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
+from timm_affinediv._timm_compat import get_model_input_config
 from timm_affinediv.cli import (
     add_model_args,
     create_model_kwargs,
@@ -55,7 +54,8 @@ def main(argv=None) -> int:
 
     model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained,
                                **create_model_kwargs(args, norm_layer=args.norm_layer))
-    input_size = resolve_model_data_config(model)['input_size']
+    # timm's input config of the model as built (its channels: --in-chans), not its pretrained_cfg's (ImageNet's 3)
+    input_size = get_model_input_config(model)['input_size']
     if args.img_size:
         input_size = (input_size[0], args.img_size, args.img_size)
     try:
