@@ -5,7 +5,8 @@ with `--reconstruct-steps`, its blocks reconstructed on them; no labels, no fine
 `--test-images` test images, their top-1 agreement, and the conversion time.
 
     python scripts/measure_family_conversion.py --model vit_tiny_patch16_224 \\
-        --checkpoint runs/vit-tiny/model.safetensors --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
+        --checkpoint runs/vit-tiny/model.safetensors \\
+        --model-kwargs img_size=32 patch_size=4 embed_dim=64 depth=4 num_heads=2
 """
 import sys
 import time
