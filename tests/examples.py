@@ -183,7 +183,7 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/bench.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
     'scripts/bench_onnx.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
     'scripts/bench_convert.py': {'--reps': ['1'], '--batches': ['1', '1'], '--batch-size': ['2', '8']},
-    'scripts/bench_gpu.py': {'--quick': []},
+    'scripts/bench_gpu.py': {'--quick': [], '--models': ['resnet18'], '--steps': ['train']},
     'scripts/measure_conversion.py': {'--batch-size': ['8']},
     'scripts/measure_finetune.py': {'--epochs': ['1'], '--train-subset': ['128']},
     'scripts/measure_family_conversion.py': {'--test-images': ['64']},
