@@ -120,19 +120,74 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     torch.testing.assert_close(rebuilt.eval()(xt[:8]), calibrated(xt[:8]))
 
 
+def _block_errors(original: nn.Module, converted: nn.Module, paths, batches) -> list:
+    """Each block's relative squared output error in the converted model against the original's, averaged over the
+    batches: the converted block on the converted model's own input to it (forward hooks)."""
+    def outputs(model):
+        seen = {p: [] for p in paths}
+        handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: seen[p].append(o))
+                   for p in paths]
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+        for h in handles:
+            h.remove()
+        return seen
+    ours, theirs = outputs(converted), outputs(original)
+    return [sum(((a - b).square().sum() / b.square().sum()).item() for a, b in zip(ours[p], theirs[p])) / len(batches)
+            for p in paths]
+
+
 def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
-    """Block-wise reconstruction after the fit: the stem, every block and the head, each brought closer to the
-    original's output on the calibration images, the original untouched, the same result from the same seed."""
+    """Block-wise reconstruction after the fit: with threshold 0, the stem, every block and the head, each brought
+    closer to the original's output on the calibration images, each block's error the one the final model has (its
+    inputs came from the reconstructed prefix), the original untouched, the same result from the same seed; with a
+    threshold above every block's error, nothing trained and the fit's model unchanged."""
     calib = [x[i:i + 32] for i in range(0, 128, 32)]
     before = copy.deepcopy(model.state_dict())
-    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, seed=3) for _ in range(2)]
+    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3)
+            for _ in range(2)]
     (converted, report), (again, _) = runs
     names = [b.block for b in report.blocks]
     assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
+    assert all(0 < b.steps <= 12 for b in report.blocks), report.blocks
     assert sum(b.rel_err_after for b in report.blocks) < sum(b.rel_err_before for b in report.blocks), report.blocks
+    blocks = [b for b in report.blocks if not b.block.startswith('(')]
+    np.testing.assert_allclose(_block_errors(model, converted, [b.block for b in blocks], calib),
+                               [b.rel_err_after for b in blocks], rtol=1e-3)
     assert report.top1_agreement_reconstructed is not None and 'after reconstruction' in report.format_table()
+    assert 'blocks.1.0: ' in report.describe() and f'{len(names)} of {len(names)} blocks' in report.describe()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
+    fitted, _ = convert_model(model, calibration=calib, reconstruct_steps=0)
+    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12,
+                                      reconstruct_threshold=1 + max(b.rel_err_before for b in report.blocks))
+    assert report.blocks and not any(b.steps for b in report.blocks), report.blocks
+    assert all(torch.equal(v, fitted.state_dict()[k]) for k, v in untouched.state_dict().items())
+    assert f'0 of {len(report.blocks)} blocks' in report.describe()
+
+
+def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_loss():
+    """A block's Adam steps stop after the first pass over the calibration batches whose mean loss is not at least
+    `tolerance` below the best pass's, and at `max_steps` at the latest."""
+    from timm_affinediv.convert.reconstruct import ReconstructionOptions, _train
+    torch.manual_seed(0)
+    layer, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    inputs = [torch.randn(16, 4) for _ in range(4)]
+    targets = [(teacher(x) + 0.3 * torch.randn(16, 4)).detach() for x in inputs]
+    losses = []
+
+    def output(i):
+        out = layer(inputs[i])
+        losses.append(((out - targets[i]).square().sum() / targets[i].square().sum()).item())
+        return out
+    options = ReconstructionOptions(max_steps=4000, lr=3e-2, tolerance=0.05)
+    steps = _train(list(layer.parameters()), output, targets, options, torch.Generator().manual_seed(0))
+    passes = [sum(losses[i:i + 4]) / 4 for i in range(0, steps, 4)]
+    assert steps % 4 == 0 and 8 <= steps < 4000
+    assert passes[-1] > (1 - 0.05) * min(passes[:-1]) and all(
+        b <= (1 - 0.05) * min(passes[:i + 1]) for i, b in enumerate(passes[1:-1])), passes
+    assert _train(list(layer.parameters()), output, targets, ReconstructionOptions(max_steps=6), torch.Generator()) == 6
 
 
 def test_affinediv_mode_corrects_every_affine_map(data):
