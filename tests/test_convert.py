@@ -142,7 +142,7 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     """Block-wise reconstruction after the fit: with threshold 0, the stem, every block and the head, each brought
     closer to the original's output on the calibration images, each block's error the one the final model has (its
     inputs came from the reconstructed prefix), the original untouched, the same result from the same seed; with a
-    threshold above every block's error, nothing trained and the fit's model unchanged."""
+    threshold above every layer's error, no block checked and the fit's model unchanged."""
     calib = [x[i:i + 32] for i in range(0, 128, 32)]
     before = copy.deepcopy(model.state_dict())
     runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3)
@@ -151,6 +151,7 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     names = [b.block for b in report.blocks]
     assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
     assert all(0 < b.steps <= 12 for b in report.blocks), report.blocks
+    assert all(b.rel_err_after <= b.rel_err_before for b in report.blocks), report.blocks
     assert sum(b.rel_err_after for b in report.blocks) < sum(b.rel_err_before for b in report.blocks), report.blocks
     blocks = [b for b in report.blocks if not b.block.startswith('(')]
     np.testing.assert_allclose(_block_errors(model, converted, [b.block for b in blocks], calib),
@@ -160,11 +161,9 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
     fitted, _ = convert_model(model, calibration=calib, reconstruct_steps=0)
-    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12,
-                                      reconstruct_threshold=1 + max(b.rel_err_before for b in report.blocks))
-    assert report.blocks and not any(b.steps for b in report.blocks), report.blocks
+    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=1e9)
+    assert not report.blocks and 'no block was reconstructed' in report.describe()
     assert all(torch.equal(v, fitted.state_dict()[k]) for k, v in untouched.state_dict().items())
-    assert f'0 of {len(report.blocks)} blocks' in report.describe()
 
 
 def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_loss():
@@ -392,7 +391,8 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
         f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
         '--dataset', '', '--data-dir', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
-        '--device', 'cpu', '--output', str(tmp_path / 'out')])
+        '--device', 'cpu', '--reconstruct-steps', '2', '--reconstruct-threshold', '0',
+        '--output', str(tmp_path / 'out')])
     assert status == 0 and (tmp_path / 'out' / 'model.safetensors').is_file()
     images = torch.cat(seen)
     assert images.shape == (5, 3, size, size)
@@ -405,6 +405,23 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         assert (expected - x).abs().flatten(1).max(1).values.min() < 1e-4
     report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
     assert report['calibration_images'] == 5 and report['layers']
+    assert report['blocks'] and all(b['steps'] == 2 for b in report['blocks']) and report['reconstruct_threshold'] == 0
+    card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+    assert (f"{len(report['blocks'])} of {len(report['blocks'])} blocks had a relative squared output error above 0 "
+            'after the fit and were reconstructed ((stem): 2 Adam steps') in card, card
+    assert 'top-1 agreement with the original on the 5 calibration images' in card
+
+
+def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
+    """`convert_to_folder(calibration=...)` takes any iterable of batches (here a generator, read once), instead of
+    reading the dataset's training split, and says so in the card."""
+    from timm_affinediv.model_io import convert_to_folder
+    x, _ = _tensors('train', 40)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), calibration=(x[i:i + 16] for i in range(0, 40, 16)),
+                                     eval_images=0, reconstruct_steps=0, progress=False)
+    assert report.calibration_batches == 3 and report.calibration_images == 40 and report.layers
+    assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
 
 
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):

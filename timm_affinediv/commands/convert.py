@@ -50,12 +50,12 @@ def main(argv=None) -> int:
                         help="'auto': CUDA when available")
     parser.add_argument('--calib-memory', type=positive_float, default=4.0,
                         help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
-    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=400,
+    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=128,
                         help='Adam steps per block at most of block-wise reconstruction after the fit, on the '
                              'calibration images (0: none)')
-    parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.02,
-                        help="a block is reconstructed where its output's relative squared error after the fit is "
-                             'above this (0: every block)')
+    parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.1,
+                        help="where the fitted model's logits have a relative squared error above this, the blocks "
+                             'whose output has one above it are reconstructed (0: every block)')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     args = parser.parse_args(argv)

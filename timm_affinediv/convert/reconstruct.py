@@ -12,8 +12,9 @@ of a block make up for each other: for every block in forward order (the childre
 averaged over the calibration batches, is above `threshold`, its parameters take Adam steps on `e` (one batch a
 step, a new random order each pass over them), `x_conv` the input the converted prefix (already reconstructed) gives
 it, `block_orig(x_orig)` the original's output there, until a pass's mean loss falls by less than `tolerance` or
-`max_steps` are taken. The layers before the first block (the stem) are fitted the same way to the first block's
-input, and those after the last (the head) to the logits. No labels: post-training quantisation's block
+`max_steps` are taken (a block left worse than the fit left it gets the fit's parameters back). The layers before the
+first block (the stem) are fitted the same way to the first block's input, and those after the last (the head) to
+the logits. No labels: post-training quantisation's block
 reconstruction (BRECQ), with the blocks' own parameters as the unknowns.
 
 Both models are traced with the blocks as leaves and walked over all batches together (`graph.GraphWalk`), so each
@@ -32,7 +33,7 @@ import torch.nn as nn
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from .graph import ActivationCache, GraphWalk, trace
 
-__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks']
+__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error']
 
 _CORRECTED = (PatchNormConv2d, AffineDivLinear)
 
@@ -58,8 +59,8 @@ class ReconstructionOptions:
         tolerance: a block stops once a pass over the batches lowers the mean loss by less than this fraction.
         seed: seed of the batch order.
     """
-    max_steps: int = 400
-    threshold: float = 0.02
+    max_steps: int = 128
+    threshold: float = 0.1
     lr: float = 3e-3
     tolerance: float = 0.02
     seed: int = 0
@@ -101,10 +102,14 @@ def _parameters(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
     return list(found.values())
 
 
-def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.Tensor]) -> float:
+def relative_squared_error(outputs: Iterable[torch.Tensor], targets: List[torch.Tensor]) -> float:
+    """`|output - target|^2 / |target|^2`, averaged over the batches."""
     with torch.no_grad():
-        return sum(((output(i) - y).square().sum() / y.square().sum()).item()
-                   for i, y in enumerate(targets)) / len(targets)
+        return sum(((a - b).square().sum() / b.square().sum()).item() for a, b in zip(outputs, targets)) / len(targets)
+
+
+def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.Tensor]) -> float:
+    return relative_squared_error((output(i) for i in range(len(targets))), targets)
 
 
 def _train(params: List[nn.Parameter], output: Callable[[int], torch.Tensor], targets: List[torch.Tensor],
@@ -137,8 +142,15 @@ def _segment(name: str, params: List[nn.Parameter], output: Callable[[int], torc
     before = _relative_error(output, targets)
     if before <= options.threshold or not params or not options.max_steps:
         return BlockFit(name, before, before)
+    fitted = [p.detach().clone() for p in params]
     steps = _train(params, output, targets, options, generator)
-    return BlockFit(name, before, _relative_error(output, targets), steps)
+    after = _relative_error(output, targets)
+    if after >= before:  # a few large first Adam steps can leave it worse: the fit's parameters are kept then
+        with torch.no_grad():
+            for p, value in zip(params, fitted):
+                p.copy_(value)
+        after = before
+    return BlockFit(name, before, after, steps)
 
 
 def _single_input(node: fx.Node) -> Optional[fx.Node]:
