@@ -74,13 +74,14 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     swapped, report = convert_model(model)
     assert report.top1_agreement_analytic is None and not report.layers
     calib = [x[i:i + 64] for i in range(0, 256, 64)]
-    calibrated, report = convert_model(model, calibration=calib)
+    calibrated, report = convert_model(model, calibration=calib, reconstruct_steps=0)
     swap_top1, calibrated_top1 = _top1(swapped, xt, yt), _top1(calibrated, xt, yt)
     assert calibrated_top1 > swap_top1 + 0.1, (original, swap_top1, calibrated_top1)
     assert calibrated_top1 > original - 0.1, (original, calibrated_top1)
     assert report.top1_agreement_calibrated > report.top1_agreement_analytic + 0.1
     # the float32 sums of the fits give the model the float64 fit gives
-    exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib])
+    exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib],
+                             reconstruct_steps=0)
     with torch.no_grad():
         ours, truth = calibrated(xt), exact(xt.double())
     assert (ours.double() - truth).abs().max() <= 1e-3 * truth.abs().max()
@@ -107,7 +108,8 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     model = _train(name, data, steps=100)
     original = _top1(model, xt, yt)
     assert original > 0.3, 'the briefly trained model should have learned something (chance: 0.1)'
-    calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)])
+    calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)],
+                                       reconstruct_steps=0)
     assert all(b.bound for b in describe_slots(calibrated))
     assert report.layers and all(f.rel_err_after <= f.rel_err_before + 1e-6 for f in report.layers)
     if name == 'tinynet_e':
@@ -348,7 +350,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     model = _randomised(name).double()
     batches = [x[i:i + 6].double() for i in range(0, 12, 6)]
     reference, errors = _reference_convert(model, batches, positions_per_batch=200)
-    converted, report = convert_model(model, calibration=batches, positions_per_batch=200)
+    converted, report = convert_model(model, calibration=batches, positions_per_batch=200, reconstruct_steps=0)
     assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
                                                  if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
@@ -360,7 +362,8 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
         agree = sum((model(b).argmax(1) == converted(b).argmax(1)).sum().item() for b in batches) / 12
     assert report.top1_agreement_calibrated == pytest.approx(agree)
     # activations spilled to disk (no memory budget) give the very same model
-    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0)
+    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0,
+                               reconstruct_steps=0)
     for key, value in spilled.state_dict().items():
         torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
 
@@ -435,8 +438,8 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 64, 16)]
-    _, full = convert_model(model, calibration=batches, positions_per_unknown=None)
-    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2)
+    _, full = convert_model(model, calibration=batches, positions_per_unknown=None, reconstruct_steps=0)
+    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2, reconstruct_steps=0)
     modules = dict(converted.named_modules())
     for fit, unbounded in zip(budgeted.layers, full.layers):
         layer = modules[fit.layer]
@@ -503,8 +506,9 @@ def test_half_precision_model_converts_in_its_dtype(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 32, 16)]
-    _, full = convert_model(model, calibration=batches)
-    half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches])
+    _, full = convert_model(model, calibration=batches, reconstruct_steps=0)
+    half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches],
+                                 reconstruct_steps=0)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],
