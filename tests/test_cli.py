@@ -47,7 +47,7 @@ def finished_run(tmp_path) -> Path:
 @pytest.mark.parametrize('argv, message', [
     (('--calib-batches', '-1'), 'argument --calib-batches: -1 is not an integer >= 0'),
     (('--data-dir', 'no/such/folder'), 'argument --data-dir: no/such/folder does not exist'),
-    (('--dataset', 'imagenet'), "argument --dataset: unknown dataset 'imagenet'"),
+    (('--calib-memory', '0'), 'argument --calib-memory: 0 is not a number > 0'),
     (('--model', 'local-dir:no/such/folder'), 'argument --model: no/such/folder does not exist'),
     (('--model', 'resnet18', '--checkpoint', 'missing.safetensors'),
      'argument --checkpoint: missing.safetensors does not exist'),

@@ -74,13 +74,14 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     swapped, report = convert_model(model)
     assert report.top1_agreement_analytic is None and not report.layers
     calib = [x[i:i + 64] for i in range(0, 256, 64)]
-    calibrated, report = convert_model(model, calibration=calib)
+    calibrated, report = convert_model(model, calibration=calib, reconstruct_steps=0)
     swap_top1, calibrated_top1 = _top1(swapped, xt, yt), _top1(calibrated, xt, yt)
     assert calibrated_top1 > swap_top1 + 0.1, (original, swap_top1, calibrated_top1)
     assert calibrated_top1 > original - 0.1, (original, calibrated_top1)
     assert report.top1_agreement_calibrated > report.top1_agreement_analytic + 0.1
     # the float32 sums of the fits give the model the float64 fit gives
-    exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib])
+    exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib],
+                             reconstruct_steps=0)
     with torch.no_grad():
         ours, truth = calibrated(xt), exact(xt.double())
     assert (ours.double() - truth).abs().max() <= 1e-3 * truth.abs().max()
@@ -107,7 +108,8 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     model = _train(name, data, steps=100)
     original = _top1(model, xt, yt)
     assert original > 0.3, 'the briefly trained model should have learned something (chance: 0.1)'
-    calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)])
+    calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)],
+                                       reconstruct_steps=0)
     assert all(b.bound for b in describe_slots(calibrated))
     assert report.layers and all(f.rel_err_after <= f.rel_err_before + 1e-6 for f in report.layers)
     if name == 'tinynet_e':
@@ -120,19 +122,73 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     torch.testing.assert_close(rebuilt.eval()(xt[:8]), calibrated(xt[:8]))
 
 
+def _block_errors(original: nn.Module, converted: nn.Module, paths, batches) -> list:
+    """Each block's relative squared output error in the converted model against the original's, averaged over the
+    batches: the converted block on the converted model's own input to it (forward hooks)."""
+    def outputs(model):
+        seen = {p: [] for p in paths}
+        handles = [model.get_submodule(p).register_forward_hook(lambda m, a, o, p=p: seen[p].append(o))
+                   for p in paths]
+        with torch.no_grad():
+            for x in batches:
+                model(x)
+        for h in handles:
+            h.remove()
+        return seen
+    ours, theirs = outputs(converted), outputs(original)
+    return [sum(((a - b).square().sum() / b.square().sum()).item() for a, b in zip(ours[p], theirs[p])) / len(batches)
+            for p in paths]
+
+
 def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
-    """Block-wise reconstruction after the fit: the stem, every block and the head, each brought closer to the
-    original's output on the calibration images, the original untouched, the same result from the same seed."""
+    """Block-wise reconstruction after the fit: with threshold 0, the stem, every block and the head, each brought
+    closer to the original's output on the calibration images, each block's error the one the final model has (its
+    inputs came from the reconstructed prefix), the original untouched, the same result from the same seed; with a
+    threshold above every layer's error, no block checked and the fit's model unchanged."""
     calib = [x[i:i + 32] for i in range(0, 128, 32)]
     before = copy.deepcopy(model.state_dict())
-    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, seed=3) for _ in range(2)]
+    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3)
+            for _ in range(2)]
     (converted, report), (again, _) = runs
     names = [b.block for b in report.blocks]
     assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
+    assert all(0 < b.steps <= 12 for b in report.blocks), report.blocks
+    assert all(b.rel_err_after <= b.rel_err_before for b in report.blocks), report.blocks
     assert sum(b.rel_err_after for b in report.blocks) < sum(b.rel_err_before for b in report.blocks), report.blocks
+    blocks = [b for b in report.blocks if not b.block.startswith('(')]
+    np.testing.assert_allclose(_block_errors(model, converted, [b.block for b in blocks], calib),
+                               [b.rel_err_after for b in blocks], rtol=1e-3)
     assert report.top1_agreement_reconstructed is not None and 'after reconstruction' in report.format_table()
+    assert 'blocks.1.0: ' in report.describe() and f'{len(names)} of {len(names)} blocks' in report.describe()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
+    fitted, _ = convert_model(model, calibration=calib, reconstruct_steps=0)
+    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=1e9)
+    assert not report.blocks and 'no block was reconstructed' in report.describe()
+    assert all(torch.equal(v, fitted.state_dict()[k]) for k, v in untouched.state_dict().items())
+
+
+def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_loss():
+    """A block's Adam steps stop after the first pass over the calibration batches whose mean loss is not at least
+    `tolerance` below the best pass's, and at `max_steps` at the latest."""
+    from timm_affinediv.convert.reconstruct import ReconstructionOptions, _train
+    torch.manual_seed(0)
+    layer, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
+    inputs = [torch.randn(16, 4) for _ in range(4)]
+    targets = [(teacher(x) + 0.3 * torch.randn(16, 4)).detach() for x in inputs]
+    losses = []
+
+    def output(i):
+        out = layer(inputs[i])
+        losses.append(((out - targets[i]).square().sum() / targets[i].square().sum()).item())
+        return out
+    options = ReconstructionOptions(max_steps=4000, lr=3e-2, tolerance=0.05)
+    steps = _train(list(layer.parameters()), output, targets, options, torch.Generator().manual_seed(0))
+    passes = [sum(losses[i:i + 4]) / 4 for i in range(0, steps, 4)]
+    assert steps % 4 == 0 and 8 <= steps < 4000
+    assert passes[-1] > (1 - 0.05) * min(passes[:-1]) and all(
+        b <= (1 - 0.05) * min(passes[:i + 1]) for i, b in enumerate(passes[1:-1])), passes
+    assert _train(list(layer.parameters()), output, targets, ReconstructionOptions(max_steps=6), torch.Generator()) == 6
 
 
 def test_affinediv_mode_corrects_every_affine_map(data):
@@ -294,7 +350,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     model = _randomised(name).double()
     batches = [x[i:i + 6].double() for i in range(0, 12, 6)]
     reference, errors = _reference_convert(model, batches, positions_per_batch=200)
-    converted, report = convert_model(model, calibration=batches, positions_per_batch=200)
+    converted, report = convert_model(model, calibration=batches, positions_per_batch=200, reconstruct_steps=0)
     assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
                                                  if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
@@ -306,7 +362,8 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
         agree = sum((model(b).argmax(1) == converted(b).argmax(1)).sum().item() for b in batches) / 12
     assert report.top1_agreement_calibrated == pytest.approx(agree)
     # activations spilled to disk (no memory budget) give the very same model
-    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0)
+    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0,
+                               reconstruct_steps=0)
     for key, value in spilled.state_dict().items():
         torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
 
@@ -337,7 +394,8 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
         f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
         '--dataset', '', '--data-dir', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
-        '--device', 'cpu', '--output', str(tmp_path / 'out')])
+        '--device', 'cpu', '--reconstruct-steps', '2', '--reconstruct-threshold', '0',
+        '--output', str(tmp_path / 'out')])
     assert status == 0 and (tmp_path / 'out' / 'model.safetensors').is_file()
     images = torch.cat(seen)
     assert images.shape == (5, 3, size, size)
@@ -350,6 +408,23 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         assert (expected - x).abs().flatten(1).max(1).values.min() < 1e-4
     report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
     assert report['calibration_images'] == 5 and report['layers']
+    assert report['blocks'] and all(b['steps'] == 2 for b in report['blocks']) and report['reconstruct_threshold'] == 0
+    card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+    assert (f"{len(report['blocks'])} of {len(report['blocks'])} blocks had a relative squared output error above 0 "
+            'after the fit and were reconstructed ((stem): 2 Adam steps') in card, card
+    assert 'top-1 agreement with the original on the 5 calibration images' in card
+
+
+def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
+    """`convert_to_folder(calibration=...)` takes any iterable of batches (here a generator, read once), instead of
+    reading the dataset's training split, and says so in the card."""
+    from timm_affinediv.model_io import convert_to_folder
+    x, _ = _tensors('train', 40)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), calibration=(x[i:i + 16] for i in range(0, 40, 16)),
+                                     eval_images=0, reconstruct_steps=0, progress=False)
+    assert report.calibration_batches == 3 and report.calibration_images == 40 and report.layers
+    assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
 
 
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
@@ -363,8 +438,8 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 64, 16)]
-    _, full = convert_model(model, calibration=batches, positions_per_unknown=None)
-    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2)
+    _, full = convert_model(model, calibration=batches, positions_per_unknown=None, reconstruct_steps=0)
+    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2, reconstruct_steps=0)
     modules = dict(converted.named_modules())
     for fit, unbounded in zip(budgeted.layers, full.layers):
         layer = modules[fit.layer]
@@ -431,8 +506,9 @@ def test_half_precision_model_converts_in_its_dtype(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 32, 16)]
-    _, full = convert_model(model, calibration=batches)
-    half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches])
+    _, full = convert_model(model, calibration=batches, reconstruct_steps=0)
+    half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches],
+                                 reconstruct_steps=0)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],

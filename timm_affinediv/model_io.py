@@ -4,7 +4,7 @@
 """
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import timm
 import torch
@@ -13,7 +13,7 @@ import torch.nn as nn
 from ._state_dict import describe_mismatch
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
-from .data import create_eval_loader, describe_split, is_fashion_mnist, resolve_dataset_data_config
+from .data import create_eval_loader, describe_split, is_fashion_mnist, is_stream, resolve_dataset_data_config
 from .errors import CheckpointError, MissingFileError
 from .hub import model_card_template, save_hub_folder
 from .train import evaluate
@@ -70,6 +70,19 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     return net.eval()
 
 
+def _first_images(loader: Iterable, images: int, labels: bool = False) -> List:
+    """The batches of `loader` up to `images` images (a stream takes no subset: its first ones), the last one cut;
+    images only, or (images, labels) pairs with `labels`."""
+    batches, seen = [], 0
+    for x, y in loader:
+        x, y = x[:images - seen], y[:images - seen]
+        batches.append((x, y) if labels else x)
+        seen += len(x)
+        if seen >= images:
+            break
+    return batches
+
+
 @torch.no_grad()
 def hub_dataset(dataset: str, data_dir: Optional[str]) -> str:
     """The Hub dataset id for the model card's metadata."""
@@ -96,15 +109,19 @@ def convert_to_folder(
         workers: int = 0,
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
-        reconstruct_steps: int = 0,
+        calibration: Optional[Iterable] = None,
         **model_kwargs: Any,
 ) -> Tuple[nn.Module, ConversionReport, Dict[str, Any]]:
     """ Convert `model` with `calib_images` (default `calib_batches * batch_size`) images of `dataset`'s training
-    split, read with the model's own eval transforms (`resolve_data_config` of its `pretrained_cfg` for an image
-    folder), evaluate the original and the converted model on its validation split (`eval_images=0`: skipped),
-    and write the Hub folder `output` (weights, config, card, `conversion_report.json`). `base_model` is the Hub
-    id of `model` when it has one, `base_model_description` says where it came from otherwise;
-    `reconstruct_steps` is `convert_model`'s. Returns the converted model, the report and the metrics.
+    split (any name `timm-affinediv finetune` reads: Fashion-MNIST, an image folder, timm's `torch/`, `hfds/`,
+    `hfids/`, `wds/`, `tfds/`; the first images of a stream), read with the model's own eval transforms
+    (`resolve_data_config` of its `pretrained_cfg`), or the batches of `calibration` (an iterable of image tensors
+    or (images, labels) pairs, read as they are) when given; evaluate the original and the converted model on the
+    dataset's validation split (`eval_images=0`: skipped), and write the Hub folder `output` (weights, config,
+    card, `conversion_report.json`). `base_model` is the Hub id of `model` when it has one,
+    `base_model_description` says where it came from otherwise; `model_kwargs` go to `convert_model` (its
+    calibration options, e.g. `reconstruct_steps`, then `timm.create_model`'s). Returns the converted model, the
+    report and the metrics.
     """
     if Path(output).exists() and not overwrite:
         raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
@@ -116,26 +133,26 @@ def convert_to_folder(
     model_card_template()  # an install without its templates fails here, not after the conversion
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calib_images = calib_batches * batch_size if calib_images is None else calib_images
-    calibration = None
-    if calib_images:
-        loader = create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
-                                    subset=calib_images, workers=workers)
-        calibration = [images for images, _ in loader]
+    dataset_given = calibration is not None
+    if calibration is None and calib_images:
+        calibration = _first_images(create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
+                                                       subset=calib_images, workers=workers), calib_images)
     converted, report = convert_model(model, norm, calibration, progress=progress, device=device,
-                                      calib_memory=calib_memory, reconstruct_steps=reconstruct_steps, **model_kwargs)
+                                      calib_memory=calib_memory, **model_kwargs)
     # the preprocessing the weights expect, for timm's resolve_data_config on the published model
     converted.pretrained_cfg = dict(converted.pretrained_cfg, **data_config, num_classes=converted.num_classes)
     metrics: Dict[str, Any] = dict(conversion_seconds=report.seconds, data_config=data_config)
     evaluated = eval_images != 0
     if evaluated:
         eval_loader = create_eval_loader(dataset, data_dir, data_config, 256, subset=eval_images, workers=workers)
-        metrics.update(original=evaluate(model, eval_loader), converted=evaluate(converted, eval_loader))
+        batches = _first_images(eval_loader, eval_images, labels=True) if is_stream(eval_loader.dataset) and \
+            eval_images else eval_loader
+        metrics.update(original=evaluate(model, batches), converted=evaluate(converted, batches))
+    source = 'given' if dataset_given else f'{dataset or data_dir} training'
     recipe = (f'Converted from `{base_model or report.architecture}` ({report.architecture}, BatchNorm/LayerNorm) '
-              f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, each divergence-corrected '
-              f'layer fitted by ridge least squares to the original\'s outputs on {report.calibration_images} '
-              f'{dataset or data_dir} training images ({report.calibration_batches} batches), in forward order'
-              + (f', then each block reconstructed ({reconstruct_steps} Adam steps per block on '
-                 'the same images, no labels). ' if report.blocks else '. '))
+              f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, then, on '
+              f'{report.calibration_images} {source} images ({report.calibration_batches} batches, no labels), '
+              f'in forward order: {report.describe()}. ')
     if evaluated:
         recipe += (f'Top-1 before conversion {metrics["original"]["top1"]:.2f}%, '
                    f'after {metrics["converted"]["top1"]:.2f}% (no fine-tuning).')

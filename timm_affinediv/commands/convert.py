@@ -6,9 +6,10 @@
     timm-affinediv convert --model resnet50.a1_in1k --pretrained --dataset '' --data-dir PATH --calib-images 1024 \\
         --eval-images 0 --output runs/resnet50-patchnorm
 
-With an image folder (`--dataset '' --data-dir PATH`: `PATH/<class>/*`, or `PATH/train/<class>/*` and
-`PATH/validation/<class>/*`) the images are read with the model's own eval transforms (timm `resolve_data_config` of
-its `pretrained_cfg`: size, crop, mean and std).
+`--dataset` takes what `timm-affinediv finetune` reads: an image folder (`--dataset '' --data-dir PATH`:
+`PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) or timm's `torch/`, `hfds/`, `hfids/`,
+`wds/`, `tfds/` datasets (a stream's first images); they are read with the model's own eval transforms (timm
+`resolve_data_config` of its `pretrained_cfg`: size, crop, mean and std).
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
@@ -21,6 +22,7 @@ from timm_affinediv.cli import (
     add_data_args,
     add_model_args,
     create_model_kwargs,
+    non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
@@ -37,7 +39,7 @@ def main(argv=None) -> int:
     add_model_args(parser, help={'--num-classes': 'classes of the checkpoint (timm model name only)',
                                  '--in-chans': 'input channels of the checkpoint (timm model name only)'})
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
-    add_data_args(parser, old_source_flags=('--calib-data',))
+    add_data_args(parser, old_source_flags=('--calib-data',), any_dataset=True)
     parser.add_argument('--calib-batches', type=non_negative_int, default=32, help='0: the analytic map only')
     parser.add_argument('--calib-images', type=non_negative_int,
                         help='calibration images (default: --calib-batches x --batch-size)')
@@ -48,9 +50,12 @@ def main(argv=None) -> int:
                         help="'auto': CUDA when available")
     parser.add_argument('--calib-memory', type=positive_float, default=4.0,
                         help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
-    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=0,
-                        help='Adam steps per block of block-wise reconstruction after the fit, on the calibration '
-                             'images (0: none; a few hundred close most of the gap in EfficientNets)')
+    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=128,
+                        help='Adam steps per block at most of block-wise reconstruction after the fit, on the '
+                             'calibration images (0: none)')
+    parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.1,
+                        help="where the fitted model's logits have a relative squared error above this, the blocks "
+                             'whose output has one above it are reconstructed (0: every block)')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     args = parser.parse_args(argv)
@@ -63,7 +68,7 @@ def main(argv=None) -> int:
         model, args.output, norm=args.norm, dataset=args.dataset, data_dir=args.data_dir,
         calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
         eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
-        reconstruct_steps=args.reconstruct_steps,
+        reconstruct_steps=args.reconstruct_steps, reconstruct_threshold=args.reconstruct_threshold,
         base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
             model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
         overwrite=args.overwrite, **args.model_kwargs)

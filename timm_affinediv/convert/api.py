@@ -18,7 +18,7 @@ from ..layers.slot import PatchNormSlot
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
 from .rebuild import architecture, build_converted, carry_weights, check_norms, model_in_chans
-from .reconstruct import BlockFit, reconstruct_blocks
+from .reconstruct import BlockFit, ReconstructionOptions, reconstruct_blocks, relative_squared_error
 from .solver import NormalEquations
 
 __all__ = ['convert_model', 'ConversionReport', 'LayerFit', 'CalibrationOptions', 'positions_per_batch_for']
@@ -39,8 +39,10 @@ class CalibrationOptions:
             (None: all; 0: not measured).
         calib_memory: bytes of activations kept between two steps of the calibration walk; beyond, they spill to disk.
         cache_dtype: the dtype those activations are kept in (None: as computed).
-        reconstruct_steps: Adam steps per block of the block-wise reconstruction after the fit (`reconstruct.py`;
-            0: none).
+        reconstruct_steps: Adam steps per block at most of the block-wise reconstruction after the fit
+            (`reconstruct.py`; 0: none).
+        reconstruct_threshold: where the fitted model's logits have a relative squared error above this, the blocks
+            whose output has one above it are reconstructed.
         reconstruct_lr: its learning rate.
         progress: show a progress bar.
         seed: seed of the positions' draw and of the reconstruction's batch order.
@@ -51,7 +53,8 @@ class CalibrationOptions:
     analytic_batches: Optional[int] = 1
     calib_memory: int = 4 << 30
     cache_dtype: Optional[torch.dtype] = None
-    reconstruct_steps: int = 0
+    reconstruct_steps: int = 128
+    reconstruct_threshold: float = 0.1
     reconstruct_lr: float = 3e-3
     progress: bool = False
     seed: int = 0
@@ -80,11 +83,32 @@ class ConversionReport:
     analytic_images: int = 0
     top1_agreement_calibrated: Optional[float] = None
     top1_agreement_reconstructed: Optional[float] = None
+    output_error_calibrated: Optional[float] = None
     layers: List[LayerFit] = field(default_factory=list)
     blocks: List[BlockFit] = field(default_factory=list)
+    reconstruct_threshold: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def describe(self) -> str:
+        """ What the conversion did, in one sentence: the fit, which blocks were reconstructed (steps each), and the
+        converted model's top-1 agreement with the original on the calibration images (the model card's recipe)."""
+        text = f'{len(self.layers)} divergence-corrected layers fitted by ridge least squares'
+        trained = [b for b in self.blocks if b.steps]
+        if self.blocks:
+            text += (f'; {len(trained)} of {len(self.blocks)} blocks had a relative squared output error above '
+                     f'{self.reconstruct_threshold:g} after the fit and were reconstructed'
+                     + (' (' + ', '.join(f'{b.block}: {b.steps} Adam steps, error {b.rel_err_before:.3f} -> '
+                                         f'{b.rel_err_after:.3f}' for b in trained) + ')' if trained else ''))
+        elif self.reconstruct_threshold is not None:
+            text += (f"; the fitted model's output (relative squared error {self.output_error_calibrated:.3f}) was "
+                     f'within {self.reconstruct_threshold:g} of the original\'s, so no block was reconstructed')
+        agreement = self.top1_agreement_reconstructed if self.blocks else self.top1_agreement_calibrated
+        if agreement is not None:
+            text += (f'; top-1 agreement with the original on the {self.calibration_images} calibration images '
+                     f'{100 * agreement:.1f}%')
+        return text
 
     def format_table(self) -> str:
         """The per-layer fidelity as a markdown table, then the whole-model agreement."""
@@ -93,8 +117,10 @@ class ConversionReport:
         lines += [f'| {f.layer} | {f.target} | {f.rel_err_before:.4f} | {f.cos_before:.4f} | '
                   f'{f.rel_err_after:.4f} | {f.cos_after:.4f} |' for f in self.layers]
         if self.blocks:
-            lines += ['', '| block | rel. sq. err before | after reconstruction |', '|---|---:|---:|']
-            lines += [f'| {b.block} | {b.rel_err_before:.4f} | {b.rel_err_after:.4f} |' for b in self.blocks]
+            lines += ['', '| block | rel. sq. err after the fit | reconstruction steps | after reconstruction |',
+                      '|---|---:|---:|---:|']
+            lines += [f'| {b.block} | {b.rel_err_before:.4f} | {b.steps} | {b.rel_err_after:.4f} |'
+                      for b in self.blocks]
         lines.append('')
         if self.top1_agreement_analytic is not None:
             lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}% '
@@ -138,7 +164,8 @@ def convert_model(
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
         cache_dtype: Optional[torch.dtype] = None,
-        reconstruct_steps: int = 0,
+        reconstruct_steps: int = 128,
+        reconstruct_threshold: float = 0.1,
         reconstruct_lr: float = 3e-3,
         progress: bool = False,
         seed: int = 0,
@@ -201,16 +228,13 @@ def convert_model(
         options = CalibrationOptions(
             ridge=ridge, positions_per_batch=positions_per_batch, positions_per_unknown=positions_per_unknown,
             analytic_batches=analytic_batches, calib_memory=calib_memory, cache_dtype=cache_dtype,
-            reconstruct_steps=reconstruct_steps, reconstruct_lr=reconstruct_lr, progress=progress, seed=seed)
+            reconstruct_steps=reconstruct_steps, reconstruct_threshold=reconstruct_threshold,
+            reconstruct_lr=reconstruct_lr, progress=progress, seed=seed)
         try:
             batches = [x.to(device) for x in batches]
             original_logits = _calibrate(model, converted, batches, report, options)
             if options.reconstruct_steps:
-                generator = torch.Generator().manual_seed(options.seed)
-                report.blocks = reconstruct_blocks(model, converted, batches, original_logits,
-                                                   options.reconstruct_steps, options.reconstruct_lr, generator)
-                with torch.no_grad():
-                    report.top1_agreement_reconstructed = _agreement(original_logits, [converted(x) for x in batches])
+                _reconstruct(model, converted, batches, original_logits, report, options)
         finally:
             model.to(home)
         converted.to(home)
@@ -305,7 +329,28 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
         report.top1_agreement_analytic = _agreement(original.outputs, analytic)
         report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
+    report.output_error_calibrated = relative_squared_error(walk.outputs, original.outputs)
     return original.outputs
+
+
+def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor],
+                 original_logits: List[torch.Tensor], report: 'ConversionReport', options: CalibrationOptions) -> None:
+    """ Block reconstruction after the fit (`reconstruct.py`), on the blocks whose error is above the threshold,
+    where the fitted model's output (its logits' relative squared error on the calibration batches, which the fit
+    measured at no cost) is above it too: checking the blocks costs a forward pass of each model, and a model whose
+    output the fit reproduces (ResNet, ConvNeXt, ViT) needs no more, whatever its blocks' errors."""
+    report.reconstruct_threshold = options.reconstruct_threshold
+    if report.output_error_calibrated <= options.reconstruct_threshold:
+        return
+    cache = ActivationCache(options.calib_memory, options.cache_dtype)
+    try:
+        with torch.no_grad():
+            report.blocks, outputs = reconstruct_blocks(model, converted, batches, cache, ReconstructionOptions(
+                max_steps=options.reconstruct_steps, threshold=options.reconstruct_threshold,
+                lr=options.reconstruct_lr, seed=options.seed))
+    finally:
+        cache.close()
+    report.top1_agreement_reconstructed = _agreement(original_logits, outputs)
 
 
 def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:

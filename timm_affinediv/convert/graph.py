@@ -164,6 +164,21 @@ class GraphWalk:
                     self.cache.drop((id(self), n, b))
         self.position = stop
 
+    def replay(self, start: int, stop: int, batch: int, result: Optional[fx.Node] = None) -> Any:
+        """ Run `nodes[start:stop]` again on `batch`, in whatever autograd mode is on, reading the values of earlier
+        nodes from the cache; returns `result`'s value (None: the graph's output, which `stop` must then pass). The
+        walk does not move and the cache is untouched: a stretch re-run to train its parameters on cached inputs."""
+        local: Dict[fx.Node, Any] = {}
+
+        def load(n: fx.Node) -> Any:
+            return local[n] if n in local else self.value(n, batch)
+        for n in self.nodes[start:stop]:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), load)
+            if n.op == 'output':
+                return args[0]
+            local[n] = self._run(n, self.batches[batch], args, kwargs, batch)
+        return local[result]
+
     def _run(self, n: fx.Node, x: torch.Tensor, args: Tuple, kwargs: Dict, batch: int) -> Any:
         if n.op == 'placeholder':  # the images; forward's other arguments (ViT's attn_mask) take their defaults
             return x if self.index[n] == 0 else (n.args[0] if n.args else None)

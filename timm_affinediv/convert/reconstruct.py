@@ -1,44 +1,69 @@
-""" Block-wise reconstruction: the calibrated model's blocks trained, one after the other, to reproduce the original's
+""" Block-wise reconstruction: the calibrated blocks whose output is still far from the original's, trained towards it
 
 The least-squares fit is the best each layer can do alone, on its own target. Where a corrected layer's function
 differs from the BatchNorm'd map it replaces more than one refit can make up for (a depthwise PatchNorm divides each
 9-value window of one channel by its own norm), the errors compound with depth. Reconstruction then lets the layers
 of a block make up for each other: for every block in forward order (the children of the model's
 `nn.Sequential`/`nn.ModuleList` containers that hold a corrected layer: EfficientNet's `blocks.i.j`, ResNet's
-`layerN.i`, ViT's `blocks.i`), its parameters take `steps` Adam steps (learning rate decayed on a cosine) on
+`layerN.i`, ViT's `blocks.i`) whose relative squared error after the fit,
 
-    |block(x_conv) - block_orig(x_orig)|^2 / |block_orig(x_orig)|^2
+    e = |block(x_conv) - block_orig(x_orig)|^2 / |block_orig(x_orig)|^2
 
-over the calibration batches, `x_conv` the input the converted prefix (already reconstructed) gives it, and
-`block_orig(x_orig)` the original's output there; the layers before the first block (the stem) are fitted the same
-way to the first block's input, and those after the last (the head) to the logits. No labels, as in the
-least-squares fit: post-training quantisation's block reconstruction (BRECQ), with the blocks' own parameters as the
-unknowns.
+averaged over the calibration batches, is above `threshold`, its parameters take Adam steps on `e` (one batch a
+step, a new random order each pass over them), `x_conv` the input the converted prefix (already reconstructed) gives
+it, `block_orig(x_orig)` the original's output there, until a pass's mean loss falls by less than `tolerance` or
+`max_steps` are taken (a block left worse than the fit left it gets the fit's parameters back). The layers before the
+first block (the stem) are fitted the same way to the first block's input, and those after the last (the head) to
+the logits. No labels: post-training quantisation's block
+reconstruction (BRECQ), with the blocks' own parameters as the unknowns.
+
+Both models are traced with the blocks as leaves and walked over all batches together (`graph.GraphWalk`), so each
+block's inputs are computed once, from the converted prefix, and cached; the stem and the head are re-run from the
+cached values (`GraphWalk.replay`), never the whole model. Without a block to train, this costs one forward pass of
+each model.
 """
-from contextlib import contextmanager
+import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
+from .graph import ActivationCache, GraphWalk, trace
 
-__all__ = ['BlockFit', 'reconstruct_blocks', 'reconstruction_blocks']
+__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error']
 
 _CORRECTED = (PatchNormConv2d, AffineDivLinear)
 
 
 @dataclass
 class BlockFit:
-    """How close one block's output is to the original's (relative squared error), before and after."""
+    """How close one block's output is to the original's (relative squared error) after the fit and after its
+    reconstruction, and the Adam steps it took (0: its error was below the threshold, it was left as fitted)."""
     block: str
     rel_err_before: float
     rel_err_after: float
+    steps: int = 0
 
 
-class _Reached(Exception):
-    """Stops a forward once the block of interest has run: the rest of the model is not needed."""
+@dataclass
+class ReconstructionOptions:
+    """ Which blocks are reconstructed, and how far (module docstring).
+
+    Args:
+        max_steps: Adam steps per block at most (0: none reconstructed).
+        threshold: a block is reconstructed where its relative squared error after the fit is above this.
+        lr: Adam's learning rate (constant).
+        tolerance: a block stops once a pass over the batches lowers the mean loss by less than this fraction.
+        seed: seed of the batch order.
+    """
+    max_steps: int = 128
+    threshold: float = 0.1
+    lr: float = 3e-3
+    tolerance: float = 0.02
+    seed: int = 0
 
 
 def reconstruction_blocks(model: nn.Module) -> List[str]:
@@ -66,59 +91,6 @@ def reconstruction_blocks(model: nn.Module) -> List[str]:
     return blocks
 
 
-def _block_io(model: nn.Module, path: str, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The input and output of `model`'s block at `path` in a forward of `x` (stopped there; still attached to the
-    autograd graph where it is recorded); raises `LookupError` where the block is not called with one tensor
-    returning one."""
-    seen = []
-
-    def hook(module, args, output):
-        seen.append((args, output))
-        raise _Reached
-
-    handle = model.get_submodule(path).register_forward_hook(hook)
-    try:
-        model(x)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    if not seen:
-        raise LookupError(f'{path} is not called')
-    args, output = seen[0]
-    if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
-        raise LookupError(f'{path} does not map one tensor to one tensor')
-    return args[0], output
-
-
-@contextmanager
-def _output_replaced(module: nn.Module, value: torch.Tensor) -> Iterator[None]:
-    """`module` returns `value` (its own computation still runs, outside the autograd graph that matters)."""
-    handle = module.register_forward_hook(lambda m, args, output: value)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _call_order(model: nn.Module, x: torch.Tensor) -> Dict[str, int]:
-    """Each module's place in the order of first calls in a forward of `x`."""
-    order: Dict[str, int] = {}
-
-    def record(path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            order.setdefault(path, len(order))
-        return hook
-    handles = [m.register_forward_pre_hook(record(path)) for path, m in model.named_modules()]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return order
-
-
 def _parameters(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
     """The modules' own parameters and those of the slots their corrected layers apply (which the model holds)."""
     found: Dict[int, nn.Parameter] = {}
@@ -130,80 +102,110 @@ def _parameters(modules: Iterable[nn.Module]) -> List[nn.Parameter]:
     return list(found.values())
 
 
-def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.Tensor]) -> float:
+def relative_squared_error(outputs: Iterable[torch.Tensor], targets: List[torch.Tensor]) -> float:
+    """`|output - target|^2 / |target|^2`, averaged over the batches."""
     with torch.no_grad():
-        return sum(((output(i) - y).square().sum() / y.square().sum()).item()
-                   for i, y in enumerate(targets)) / len(targets)
+        return sum(((a - b).square().sum() / b.square().sum()).item() for a, b in zip(outputs, targets)) / len(targets)
 
 
-def _fit(name: str, params: List[nn.Parameter], output: Callable[[int], torch.Tensor], targets: List[torch.Tensor],
-         steps: int, lr: float, generator: torch.Generator) -> BlockFit:
-    """`steps` Adam steps on `params` towards `targets`, the learning rate decayed to 0 on a cosine, over the batches
-    in a new random order each pass; the error before and after."""
-    before = _relative_error(output, targets)
-    optimizer = torch.optim.Adam(params, lr=lr)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
-    passes = -(-steps // len(targets))
-    order = torch.cat([torch.randperm(len(targets), generator=generator) for _ in range(passes)])[:steps]
+def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.Tensor]) -> float:
+    return relative_squared_error((output(i) for i in range(len(targets))), targets)
+
+
+def _train(params: List[nn.Parameter], output: Callable[[int], torch.Tensor], targets: List[torch.Tensor],
+           options: ReconstructionOptions, generator: torch.Generator) -> int:
+    """Adam steps on `params` towards `targets`, one batch a step in a new random order each pass, until a pass's
+    mean loss falls by less than `options.tolerance` of the best before it or `options.max_steps`; the steps taken."""
+    optimizer = torch.optim.Adam(params, lr=options.lr)
+    best, total, steps = float('inf'), 0., 0
     with torch.enable_grad():
-        for i in order.tolist():
-            loss = (output(i) - targets[i]).square().sum() / targets[i].square().sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    return BlockFit(name, before, _relative_error(output, targets))
+        while steps < options.max_steps:
+            for i in torch.randperm(len(targets), generator=generator).tolist():
+                loss = (output(i) - targets[i]).square().sum() / targets[i].square().sum()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += loss.item()
+                steps += 1
+                if steps == options.max_steps:
+                    return steps
+            mean, total = total / len(targets), 0.
+            if mean > best * (1 - options.tolerance):
+                return steps
+            best = min(best, mean)
+    return steps
+
+
+def _segment(name: str, params: List[nn.Parameter], output: Callable[[int], torch.Tensor],
+             targets: List[torch.Tensor], options: ReconstructionOptions, generator: torch.Generator) -> BlockFit:
+    """One stretch of the converted model brought towards `targets` if its error is above the threshold."""
+    before = _relative_error(output, targets)
+    if before <= options.threshold or not params or not options.max_steps:
+        return BlockFit(name, before, before)
+    fitted = [p.detach().clone() for p in params]
+    steps = _train(params, output, targets, options, generator)
+    after = _relative_error(output, targets)
+    if after >= before:  # a few large first Adam steps can leave it worse: the fit's parameters are kept then
+        with torch.no_grad():
+            for p, value in zip(params, fitted):
+                p.copy_(value)
+        after = before
+    return BlockFit(name, before, after, steps)
+
+
+def _single_input(node: fx.Node) -> Optional[fx.Node]:
+    """The one tensor a block's node is called with, or None (other arguments: not reconstructed)."""
+    return node.args[0] if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node) else None
 
 
 def reconstruct_blocks(original: nn.Module, converted: nn.Module, batches: List[torch.Tensor],
-                       original_logits: List[torch.Tensor], steps: int, lr: float,
-                       generator: torch.Generator) -> List[BlockFit]:
-    """ Reconstruct `converted` in forward order (module docstring): the layers before the first block (the stem) on
-    the first block's input, each block on its output, the layers after the last one (the head) on the logits,
-    `steps` Adam steps each, every batch as often. Both models in eval mode; only `converted`'s parameters
-    change. A block's inputs and targets on every batch are held in memory while it is reconstructed."""
-    blocks = []
-    with torch.no_grad():
-        for path in reconstruction_blocks(converted):
-            try:
-                _block_io(converted, path, batches[0])
-                blocks.append(path)
-            except LookupError:  # called otherwise: its layers stay as the fit left them
-                continue
-    if not blocks:
-        return []
-    order = _call_order(converted, batches[0])
-    outside = [(path, m) for path, m in converted.named_modules() if path in order
-               and not any(path == b or path.startswith(b + '.') for b in blocks)]
-    fits = []
-    stem = _parameters(m for path, m in outside if order[path] < order[blocks[0]])
-    try:
-        with torch.no_grad():
-            targets = [_block_io(original, blocks[0], x)[0] for x in batches] if stem else []
-    except (LookupError, AttributeError):  # not a block of the original
-        targets = []
-    if targets:
-        fits.append(_fit('(stem)', stem, lambda i: _block_io(converted, blocks[0], batches[i])[0], targets, steps,
-                         lr, generator))
-    for path in blocks:
-        try:
-            with torch.no_grad():
-                inputs = [_block_io(converted, path, x)[0] for x in batches]
-                targets = [_block_io(original, path, x)[1] for x in batches]
-        except (LookupError, AttributeError):  # not a block of the original
-            continue
-        block = converted.get_submodule(path)
-        if targets[0].shape == block(inputs[0]).shape:
-            fits.append(_fit(path, _parameters(block.modules()), lambda i: block(inputs[i]), targets, steps, lr,
-                             generator))
-    head = _parameters(m for path, m in outside if order[path] > order[blocks[-1]])
-    if head:
-        last = converted.get_submodule(blocks[-1])
-        with torch.no_grad():
-            inputs = [_block_io(converted, blocks[-1], x)[1] for x in batches]
+                       cache: ActivationCache, options: ReconstructionOptions) -> Tuple[List[BlockFit], List]:
+    """ Reconstruct `converted` in forward order (module docstring): the stem on the first block's input, each block
+    on its output, the head on the logits, each only where its error is above `options.threshold`. Both models in
+    eval mode; only `converted`'s parameters change. Returns the fits (every block's, trained or not) and the
+    converted model's outputs on the batches (after its reconstruction). `cache` holds the walks' activations (the
+    caller closes it)."""
+    generator = torch.Generator().manual_seed(options.seed)
+    blocks = reconstruction_blocks(converted)
+    walk = GraphWalk(trace(converted, blocks), batches, cache)
+    reference = GraphWalk(trace(original, blocks), batches, cache)
+    blocks = [b for b in blocks if len(walk.calls(b)) == 1 and len(reference.calls(b)) == 1
+              and _single_input(walk.node(b)) is not None and _single_input(reference.node(b)) is not None]
+    blocks.sort(key=lambda b: walk.index[walk.node(b)])
+    fits: List[BlockFit] = []
+    modules = dict(converted.named_modules())
 
-        def logits(i: int) -> torch.Tensor:
-            with _output_replaced(last, inputs[i]):
-                return converted(batches[i])
-        fits.append(_fit('(head)', head, logits, original_logits, steps, lr, generator))
-    return fits
+    def stretch_params(start: int, stop: int) -> List[nn.Parameter]:
+        """The parameters a stretch of the converted graph uses: its modules' and those it reads (ViT's pos_embed)."""
+        nodes = walk.nodes[start:stop]
+        attrs = [operator.attrgetter(n.target)(walk.traced) for n in nodes if n.op == 'get_attr']
+        return _parameters(modules[n.target] for n in nodes if n.op == 'call_module') + [
+            p for p in attrs if isinstance(p, nn.Parameter) and p.requires_grad]
+
+    if blocks:
+        first = walk.index[walk.node(blocks[0])]
+        result = _single_input(walk.node(blocks[0]))
+        reference.run_until(reference.node(blocks[0]))
+        targets = [reference.value(_single_input(reference.node(blocks[0])), b) for b in range(len(batches))]
+        fits.append(_segment('(stem)', stretch_params(0, first),
+                             lambda i: walk.replay(0, first, i, result), targets, options, generator))
+    for path in blocks:
+        node, target = walk.node(path), reference.node(path)
+        walk.run_until(node)
+        reference.run_until(target, inclusive=True)
+        inputs = [walk.value(node.args[0], b) for b in range(len(batches))]
+        targets = [reference.value(target, b) for b in range(len(batches))]
+        block = converted.get_submodule(path)
+        with torch.no_grad():
+            output = block(inputs[0])
+        if isinstance(output, torch.Tensor) and isinstance(targets[0], torch.Tensor) and \
+                output.shape == targets[0].shape:
+            fits.append(_segment(path, _parameters(block.modules()), lambda i: block(inputs[i]), targets, options,
+                                 generator))
+        walk.run_until(node, inclusive=True)
+    reference.run_until(None)
+    start = walk.position
+    fits.append(_segment('(head)', stretch_params(start, len(walk.nodes)),
+                         lambda i: walk.replay(start, len(walk.nodes), i), reference.outputs, options, generator))
+    walk.run_until(None)
+    return fits, walk.outputs
