@@ -7,8 +7,9 @@ with one mechanism changing what it meets, never its flags' names:
 
 - **Stand-in models**: the architectures the docs name (`resnet50`, `convnext_tiny`, `vit_small_patch16_224`, ...)
   are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win).
-- **Stand-in data**: Fashion-MNIST is a 1,024-image copy in the Debian IDX format; `PATH` is an image folder of
-  Fashion-MNIST PNGs (`PATH/train/<class>/`, `PATH/validation/<class>/`).
+- **Stand-in data**: Fashion-MNIST is a 1,024-image copy in the Debian IDX format; `PATH` (and `/data/imagenet`), the
+  images an ImageNet model is converted or fine-tuned on, is a folder of one small image for each of 1000 classes
+  (`PATH/train/<class>/`, `PATH/validation/<class>/`).
 - **Stand-in Hub**: `HF_ENDPOINT` is a loopback Hub (`hub_server.py`) holding `timm/resnet50.a1_in1k` (the narrow
   stand-in's weights), so `--model resnet50.a1_in1k --pretrained` downloads through timm's real code.
 - **Stand-in files**: the inputs a command names are made before it runs (`PREPARED`: the demo run of `make demo`
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -197,7 +199,7 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
 WITHOUT_ENV: Dict[str, Tuple[str, ...]] = {'scripts/kernel_registers.py': ('TRITON_INTERPRET',)}
 
 #: Placeholders the docs use for the reader's own things.
-PLACEHOLDERS: Dict[str, str] = {'PATH': 'images', '/data/imagenet': 'imagenet', 'M': 'tinynet_e', 'FILE': 'args.yaml',
+PLACEHOLDERS: Dict[str, str] = {'PATH': 'imagenet', '/data/imagenet': 'imagenet', 'M': 'tinynet_e', 'FILE': 'args.yaml',
                                 'RUN/model.safetensors': 'run/model.safetensors', 'converted/': 'runs/converted',
                                 'original/': 'runs/baseline',
                                 'PATH/TO/pytorch-image-models': os.environ.get('TIMM_CHECKOUT', 'pytorch-image-models')}
@@ -266,30 +268,6 @@ def make_fashion_mnist(folder: Path, source: str) -> Path:
             data = data[:4] + count.to_bytes(4, 'big') + data[8:]
             with gzip.open(folder / name, 'wb') as f:
                 f.write(data)
-    return folder
-
-
-#: Images a class in the stand-in image folder: the training split holds one batch of timm's default size (128).
-IMAGES_PER_CLASS = {'train': 13, 'validation': 3}
-
-
-def make_image_folder(folder: Path) -> Path:
-    """`folder/{train,validation}/<class>/*.png`: Fashion-MNIST images of the stand-in copy."""
-    from timm_affinediv.data import FASHION_MNIST_CLASSES, FashionMNIST
-    for split, data_split in (('train', 'train'), ('validation', 'validation')):
-        dataset = FashionMNIST(split=data_split)
-        per_class = IMAGES_PER_CLASS[split]
-        counts = {c: 0 for c in range(len(FASHION_MNIST_CLASSES))}
-        for index in range(len(dataset)):
-            image, label = dataset[index]
-            if counts[label] >= per_class:
-                continue
-            target = folder / split / FASHION_MNIST_CLASSES[label].replace('/', '-')
-            target.mkdir(parents=True, exist_ok=True)
-            image.save(target / f'{index}.png')
-            counts[label] += 1
-            if min(counts.values()) >= per_class:
-                break
     return folder
 
 
@@ -381,8 +359,7 @@ PREPARED = {
     'runs/baseline': "the demo's BatchNorm baseline folder",
     'baseline.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
     'model.safetensors': "the demo's BatchNorm baseline weights (narrow resnet18, 10 classes, 1 channel)",
-    'images': 'the stand-in image folder (PATH)',
-    'imagenet': "the stand-in ImageNet folder: one small image of each of 1000 classes a split",
+    'imagenet': "the stand-in ImageNet folder (PATH): one small image of each of 1000 classes a split",
     'args.yaml': "a timm train.py args.yaml (RandAugment, mixup, LAMB)",
     'run/model.safetensors': 'a checkpoint of the stand-in model of measure_family_conversion (tinynet_e)',
     'runs/vit-tiny/model.safetensors': 'a checkpoint of the narrow ViT of measure_family_conversion --help',
@@ -453,10 +430,38 @@ class Outcome:
     err: str
 
 
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """What a command may set for its whole process, restored after it: torch's threads, random generators and
+    matmul precision, the kernel path, the environment, warning filters (a script sets threads to 1, a benchmark
+    the kernels' path: later tests would run under them)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from timm_affinediv.layers.kernels import kernels_mode, set_kernels
+    threads, precision, mode = torch.get_num_threads(), torch.get_float32_matmul_precision(), kernels_mode()
+    rng, np_rng, py_rng, environ = torch.random.get_rng_state(), np.random.get_state(), random.getstate(), dict(
+        os.environ)
+    with warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            set_kernels(mode)
+            torch.random.set_rng_state(rng)
+            np.random.set_state(np_rng)
+            random.setstate(py_rng)
+            os.environ.clear()
+            os.environ.update(environ)
+
+
 def _in_process(words: List[str]) -> Outcome:
     from timm_affinediv.commands import main as cli_main
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with _process_state_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             if words[0] == 'timm-affinediv' or words[:3] == ['python', '-m', 'timm_affinediv']:
                 status = cli_main(words[1 if words[0] == 'timm-affinediv' else 3:])

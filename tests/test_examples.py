@@ -22,7 +22,6 @@ from examples import (
     doc_examples,
     help_examples,
     make_fashion_mnist,
-    make_image_folder,
     make_imagenet_folder,
     outputs_of,
     prepare_inputs,
@@ -83,7 +82,6 @@ def store(standins, tmp_path_factory) -> Path:
         shutil.copytree(demo / source, store / name)
     for name in ('baseline.safetensors', 'model.safetensors'):
         shutil.copy2(demo / 'baseline' / 'model.safetensors', store / name)
-    make_image_folder(store / 'images')
     make_imagenet_folder(store / 'imagenet')
     from examples import ARGS_YAML
     (store / 'args.yaml').write_text(ARGS_YAML)

@@ -409,8 +409,10 @@ def test_batchnorm_baseline_card_is_not_patchnorm(folder):
 
 
 def test_card_links_only_to_pages_that_exist(folder):
-    """The card links timm's repository and the paper, not a package page that does not exist (no PyPI release)."""
+    """The card links timm's repository, the paper and the Hub page of the model it was made from, not a package
+    page that does not exist (no PyPI release)."""
     import re
     links = set(re.findall(r'\]\((https?://[^)\s]+)\)', (folder / 'README.md').read_text()))
-    assert links and links <= {'https://github.com/huggingface/pytorch-image-models',
-                               'https://arxiv.org/abs/2512.22247'}, links
+    pages = {link for link in links if link.startswith('https://huggingface.co/timm/')}
+    assert links - pages == {'https://github.com/huggingface/pytorch-image-models', 'https://arxiv.org/abs/2512.22247'}
+    assert not any('pypi.org' in link for link in links), links

@@ -14,7 +14,7 @@ from ._state_dict import describe_mismatch
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
 from .data import create_eval_loader, describe_split, is_fashion_mnist, is_stream, resolve_dataset_data_config
-from .errors import CheckpointError, MissingFileError
+from .errors import CheckpointError, MissingFileError, NormMismatchError
 from .hub import model_card_template, save_hub_folder
 from .train import evaluate
 
@@ -58,15 +58,18 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     if not Path(checkpoint).is_file():
         raise MissingFileError(f'checkpoint {checkpoint} not found: pass the path of an existing file.')
     net = timm.create_model(model, **kwargs)
-    try:
-        timm.models.load_checkpoint(net, checkpoint, strict=True)
-    except RuntimeError as e:
-        mismatch = describe_mismatch(net, timm.models.load_state_dict(checkpoint)) or str(e)
-        raise CheckpointError(
-            f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {mismatch}. '
-            'Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).') from e
+    try:  # timm's reading (safetensors / .pth, EMA weights preferred), as `timm.models.load_checkpoint` does
+        state_dict = timm.models.load_state_dict(checkpoint)
     except Exception as e:  # not a checkpoint at all, truncated, ...
         raise CheckpointError(f'checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}).') from e
+    try:
+        net.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(
+            f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {describe_mismatch(net, state_dict) or e}. '
+            'Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).') from e
+    except NormMismatchError as e:  # a BatchNorm checkpoint for patchnorm slots
+        raise CheckpointError(f'checkpoint {checkpoint}: {e}') from e
     return net.eval()
 
 

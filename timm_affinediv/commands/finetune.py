@@ -11,7 +11,8 @@ Several processes (DistributedDataParallel; gloo on CPU, nccl on CUDA):
         --output runs/ddp
 A timm recipe (the args.yaml train.py writes; flags given override it), with RandAugment, mixup and cutmix:
     timm-affinediv finetune --config args.yaml --model resnet18 --norm-layer patchnorm --output runs/recipe
-    timm-affinediv finetune --aa rand-m9-mstd0.5 --mixup 0.2 --cutmix 1.0 --reprob 0.25 --opt lamb --lr-base 5e-3
+    timm-affinediv finetune --model resnet18 --num-classes 10 --aa rand-m9-mstd0.5 --mixup 0.2 --cutmix 1.0 \\
+        --reprob 0.25 --opt lamb --lr-base 5e-3 --output runs/r18-recipe
 Resume (same result as an uninterrupted run, bit for bit): the same command with --resume
     timm-affinediv finetune --model resnet18 --num-classes 10 --epochs 5 --output runs/r18 --resume runs/r18
 A streamed dataset (wds/, hfids/, tfds/) resumes at the last epoch boundary: the epoch a stop interrupted
