@@ -121,7 +121,7 @@ def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
         rest = re.sub(r'\[([^\]]*)\]', lambda o: '' if '...' in o.group(1) else o.group(1), rest)
         if not in_block and program in ('timm-affinediv', 'torchrun') and re.fullmatch(r'[a-z]*', rest):
             continue  # a command's name in the prose (`timm-affinediv convert`), not a command
-        if re.fullmatch(r'[A-Z<][A-Za-z<>-]*(\s+--help)?', rest.split(' ', 1)[0] if rest else ''):
+        if re.fullmatch(r'[A-Z<][A-Za-z<>-]*', rest.split(' ', 1)[0] if rest else ''):
             continue  # a placeholder command (`timm-affinediv COMMAND --help`)
         words = shlex.split(rest)
         env = dict(a.split('=', 1) for a in assignments.split())

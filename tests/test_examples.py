@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 from examples import (
+    ARGS_YAML,
     PREPARED,
     ROOT,
     Example,
@@ -83,7 +84,6 @@ def store(standins, tmp_path_factory) -> Path:
     for name in ('baseline.safetensors', 'model.safetensors'):
         shutil.copy2(demo / 'baseline' / 'model.safetensors', store / name)
     make_imagenet_folder(store / 'imagenet')
-    from examples import ARGS_YAML
     (store / 'args.yaml').write_text(ARGS_YAML)
     recipes = store / 'tests' / 'data' / 'recipes'
     recipes.mkdir(parents=True)
