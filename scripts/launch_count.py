@@ -32,11 +32,25 @@ FREE = {
     'size', 'stride', 'dim', 'contiguous', 'numel', 'to', '_to_copy', 'promote_types', 'unflatten', 'flatten', 'split',
     'chunk', 'unbind', 'narrow', 'view_as', 'expand_as', 'movedim', 'unsafe_split', 'split_with_sizes',
     'is_contiguous', 'item', '_local_scalar_dense'}
+# the operations autocast runs in bfloat16/float16: it casts their float32 arguments inside them
+AUTOCAST_OPS = {
+    'conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d', 'linear', 'matmul', 'mm',
+    'bmm', 'addmm', 'baddbmm', 'addbmm', 'prelu', 'scaled_dot_product_attention'}
 _HIDDEN = 'kernel values (torch twin)'
+AUTOCAST_CAST = 'autocast cast'
+
+
+def _casts(event) -> int:
+    """Tensor casts (`to` / `_to_copy` of a tensor, not a wrapped scalar) at `event`."""
+    if event.name == 'aten::to':
+        return sum(map(_casts, event.cpu_children))
+    return int(event.name == 'aten::_to_copy' and bool(event.input_shapes and event.input_shapes[0]))
 
 
 def _count_events(events) -> collections.Counter:
-    """Launching aten ops among the outermost ones (walking into custom ops, views' and copies' children)."""
+    """ Launching aten ops among the outermost ones (walking into custom ops, views' and copies' children), and
+    under `AUTOCAST_CAST` the tensor casts autocast makes inside the outermost ones (`AUTOCAST_OPS`), which are
+    launches too: the native model's weight casts happen there, where the patchnorm layers' own are outermost."""
     counts = collections.Counter()
 
     def walk(event, inside_aten: bool):
@@ -51,6 +65,8 @@ def _count_events(events) -> collections.Counter:
                 for child in event.cpu_children:
                     walk(child, False)
                 return
+            if name in AUTOCAST_OPS:
+                counts[AUTOCAST_CAST] += sum(map(_casts, event.cpu_children))
         for child in event.cpu_children:
             walk(child, inside_aten or aten)
 
@@ -96,7 +112,7 @@ def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.
 
         step()
         triton_launches[0] = 0
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
     finally:
         _triton._launch, ops._kernels, dispatch._runs_kernels = saved[:3]
@@ -111,16 +127,19 @@ def main(argv=None) -> int:
     parser.add_argument('--batch-size', type=int, default=2)
     parser.add_argument('--top', type=int, default=8, help='aten ops listed where patchnorm launches more')
     args = parser.parse_args(argv)
-    print('| model | native | patchnorm (aten + Triton) | ratio | most added aten ops |')
-    print('|---|---:|---:|---:|---|')
+    print('| model | native | patchnorm (aten + Triton) | ratio | native, autocast casts counted | patchnorm, '
+          'autocast casts counted | ratio | most added aten ops |')
+    print('|---|---:|---:|---:|---:|---:|---:|---|')
     for name in args.models:
         native, _ = count(name, '', args.img_size, args.batch_size)
         patchnorm, triton_launches = count(name, 'patchnorm', args.img_size, args.batch_size)
-        total_native, aten = sum(native.values()), sum(patchnorm.values())
+        native_casts, casts = native.pop(AUTOCAST_CAST, 0), patchnorm.pop(AUTOCAST_CAST, 0)
+        total_native, total = sum(native.values()), sum(patchnorm.values()) + triton_launches
         added: Dict[str, int] = {op: n - native.get(op, 0) for op, n in patchnorm.items() if n > native.get(op, 0)}
         top = ', '.join(f'{op} +{n}' for op, n in sorted(added.items(), key=lambda kv: -kv[1])[:args.top])
-        print(f'| {name} | {total_native} | {aten + triton_launches} ({aten} + {triton_launches}) | '
-              f'{(aten + triton_launches) / total_native:.2f}x | {top} |')
+        print(f'| {name} | {total_native} | {total} ({total - triton_launches} + {triton_launches}) | '
+              f'{total / total_native:.2f}x | {total_native + native_casts} | {total + casts} | '
+              f'{(total + casts) / (total_native + native_casts):.2f}x | {top} |')
     return 0
 
 

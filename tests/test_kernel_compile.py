@@ -39,6 +39,10 @@ def test_every_train_step_kernel_compiles_for_sm80_and_sm90a_within_128_register
     assert {r['constants'].get('FLAT') for r in rows} == {True, False}
     assert {'*bf16', '*fp32'} <= {t for r in rows for t in r['pointers']}
     assert {r['constants'].get('GROUPED') for r in rows if r['kernel'] != '_scale_kernel'} == {True, False}
+    # the output passes with the box filter inside: none, a k x k map's (of channel sums, of a depthwise input's
+    # squares), and its adjoint
+    scale = [r['constants'] for r in rows if r['kernel'] == '_scale_kernel']
+    assert {c['BOX'] for c in scale} == {0, 1, 2} and {c['SQUARE'] for c in scale if c['BOX'] == 1} == {True, False}
     assert sum(r['launches'] for r in rows if r['arch'] == 'sm_90a') > 1500
     bad = [r for r in rows if r['error'] or r['local'] or r['registers'] > 128]
     assert not bad, bad

@@ -475,3 +475,19 @@ def test_bench_gpu_script_runs_on_the_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_gpu.main(['--device', 'cpu', '--modes', 'jit'])
     assert "--modes eager,compiled; got 'train,inference', 'jit'" in capsys.readouterr().err
+
+
+def test_train_step_launches_no_box_filter_of_its_own(run_script):
+    """On the Triton path a k x k map's box filter (forward and adjoint) and a depthwise map's channel norms run inside
+    the output and `dx` passes: a train step adds no pooling, fill or transposed convolution to the native model's
+    launches (`scripts/launch_count.py`, the kernels' values from their torch twins)."""
+    proc = run_script('launch_count', '--models', 'resnet18', 'convnext_atto', '--img-size', '32', '--top', '100',
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith('| resnet18') or line.startswith('| convnext')]
+    assert len(rows) == 2, proc.stdout
+    box_filter_ops = {'avg_pool2d', 'avg_pool2d_backward', 'conv_transpose2d', 'fill_', 'ones', 'new_ones', 'full',
+                      'new_full'}
+    for row in rows:
+        added = {item.split(' +')[0].strip() for item in row.split('|')[-2].split(',')}
+        assert not added & box_filter_ops, row

@@ -4,12 +4,13 @@
 the convolution's geometry (`box_sum`): the torch path of the layers and the Triton path's custom ops both build on
 them, so they sit below both.
 """
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ['portable_ops', 'at_least_float32', 'sq_norm', 'channel_sq_norm', 'box_sum', 'patch_sq_norm']
+__all__ = ['portable_ops', 'at_least_float32', 'sq_norm', 'channel_sq_norm', 'box_sum', 'patch_sq_norm', 'BoxFilter']
 
 
 def portable_ops() -> bool:
@@ -121,3 +122,44 @@ def patch_sq_norm(
     else:
         with torch.autocast(x.device.type, enabled=False):
             return box_sum(channel_sq_norm(x, groups), kernel_size, stride, padding, dilation, divisor, offset, groups)
+
+
+@dataclass(frozen=True)
+class BoxFilter:
+    """ A convolution's window geometry as a box filter of a map with one channel per group (symmetric zero padding).
+
+    Forward: `m[o] = sum_{p in window(o)} map[p] / divisor + offset` at every output position `o`. `adjoint`:
+    `m[p] = sum_{o : p in window(o)} map[o]` at every input position `p` (divisor 1, offset 0), the forward's
+    transpose. `squares`: the map is a depthwise convolution's input `x`, whose squares are filtered (its channel
+    sums of `x^2`, one channel a group). `out`: where the forward's `m` is stored as well (the fused kernels apply
+    the filter inside their output pass, and store it for the backward).
+    """
+    kernel_size: Tuple[int, int]
+    stride: Tuple[int, int]
+    padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+    divisor: int = 1
+    offset: float = 0.
+    adjoint: bool = False
+    squares: bool = False
+    out: Optional[torch.Tensor] = None
+
+    def __call__(self, m: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
+        """The filtered map in torch's operations, `size` its (H, W): the output's, or the input's (`adjoint`)."""
+        (ph, pw), (kh, kw) = self.padding, self.kernel_size
+        if self.squares:
+            m = channel_sq_norm(m, m.shape[1])
+        if not self.adjoint:
+            out = box_sum(m, self.kernel_size, self.stride, (pw, pw, ph, ph), self.dilation, self.divisor,
+                          self.offset, m.shape[1])
+            return out if self.out is None else self.out.copy_(out)
+        (n, groups), (h, w) = m.shape[:2], size
+        if self.dilation == (1, 1) and ph <= kh // 2 and pw <= kw // 2:
+            # the adjoint of a window sum is the backward of an average pooling whose divisor is 1
+            return torch.ops.aten.avg_pool2d_backward(
+                m, m.new_empty((n, groups, h, w)), self.kernel_size, self.stride, self.padding, False, True, 1)
+        # the transposed convolution's output is one row/column short where the forward's windows left input unread
+        output_padding = [full - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for full, o, s, p, d, k in zip(
+            size, m.shape[2:], self.stride, self.padding, self.dilation, self.kernel_size)]
+        return F.conv_transpose2d(m, m.new_ones((groups, 1, kh, kw)), None, self.stride, self.padding,
+                                  output_padding, groups, self.dilation)

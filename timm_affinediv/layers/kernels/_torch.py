@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..patches import BoxFilter
 from ..patches import channel_sq_norm as _channel_sq_norm
 
 _ACTIVATIONS = {'none': lambda z: z, 'relu': F.relu, 'gelu': F.gelu, 'silu': F.silu}
@@ -34,7 +35,9 @@ def _per_channel_vector(v: torch.Tensor) -> torch.Tensor:
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
-          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None) -> torch.Tensor:
+    if box is not None:
+        m = box(m, y.shape[2:])
     m = _per_channel(m.rsqrt() if rsqrt else m, y.shape[1])
     z = y.float() if bias is None else y.float() + _per_channel_vector(bias)
     z = z * m * alpha

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..patches import BoxFilter
 from .dispatch import KernelError
 
 ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
@@ -91,22 +92,72 @@ def _channel_sq_norm_kernel(
         tl.store(q_ptr + _map_index(n, C, c[None, :], P, p[:, None], I64), v * v * alpha + beta, mask=mask)
 
 
-@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
+@triton.jit
+def _window_sum(map_ptr, n, group, oh, ow, smn, smg, smh, smw, MH, MW, SH, SW, PH, PW, DH, DW, mask,
+                BP: tl.constexpr, BC: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, ADJOINT: tl.constexpr,
+                SQUARE: tl.constexpr, I64: tl.constexpr):
+    """ The box filter of an `(N, G, MH, MW)` map (strides `smn, smg, smh, smw`; `SQUARE`: of its squares) at
+    positions `(oh, ow)` (`(BP, 1)` each) of the channels' groups `group` (`(1, BC)`): the sum over the window of a
+    convolution (stride, padding, dilation) at each output position, or (`ADJOINT`) over the output positions whose
+    windows hold each input position. Windows reaching into the padding read zeros."""
+    if I64:
+        n = n.to(tl.int64)
+    base = n * smn + group * smg
+    acc = tl.zeros([BP, BC], tl.float32)
+    for kh in range(KH):
+        for kw in range(KW):
+            if ADJOINT:
+                nh = oh + PH - kh * DH
+                nw = ow + PW - kw * DW
+                mh = nh // SH
+                mw = nw // SW
+                inside = (nh >= 0) & (nw >= 0) & (nh % SH == 0) & (nw % SW == 0) & (mh < MH) & (mw < MW)
+            else:
+                mh = oh * SH - PH + kh * DH
+                mw = ow * SW - PW + kw * DW
+                inside = (mh >= 0) & (mw >= 0) & (mh < MH) & (mw < MW)
+            v = tl.load(map_ptr + (base + mh * smh + mw * smw), mask=mask & inside, other=0.).to(tl.float32)
+            acc += v * v if SQUARE else v
+    return acc
+
+
+@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB', 'smn', 'smg', 'smh', 'MH', 'MW', 'SH', 'SW', 'PH', 'PW', 'DH',
+                               'DW'])
 def _scale_kernel(
         y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
-        out_ptr, son, soc, soh, sow, C, P, W, CPG, G, NPB, alpha,
+        out_ptr, son, soc, soh, sow, m_out_ptr, C, P, W, CPG, G, NPB, alpha,
+        smn, smg, smh, smw, MH, MW, SH, SW, PH, PW, DH, DW, box_scale, box_offset,
         BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
         HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
-        I64: tl.constexpr):
-    """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m[n, c // CPG, p] + pb[c])`, `m = rsqrt(b)` (`RSQRT`) or
-    `b`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three)."""
+        I64: tl.constexpr, BOX: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SQUARE: tl.constexpr,
+        STORE_M: tl.constexpr):
+    """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m'[n, c // CPG, p] + pb[c])`, `m' = rsqrt(m)` (`RSQRT`)
+    or `m`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three).
+
+    `m` is the contiguous map `b` at `y`'s positions (`BOX` 0), or the box filter with a `KH x KW` window
+    (`_window_sum`) of the map `b` of strides `smn, smg, smh, smw` (`SQUARE`: of its squares, `b` being a depthwise
+    convolution's input): `box_scale * sum + box_offset` over each output position's window (`BOX` 1, `b` at the
+    convolution's input positions), or the adjoint's sum (`BOX` 2, `b` at its output positions). `STORE_M`: `m` is
+    stored at `y`'s positions too, once per group, into the contiguous `(N, G, H, W)` `m_out`.
+    """
     pid = tl.program_id(0)
     n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (p < P)[:, None] & (c < C)[None, :]
     y_offsets = _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
-    m = tl.load(b_ptr + _map_index(n, G, c[None, :] // CPG, P, p[:, None], I64), mask=mask, other=1.)
+    group = c[None, :] // CPG
+    if BOX == 0:
+        m = tl.load(b_ptr + _map_index(n, G, group, P, p[:, None], I64), mask=mask, other=1.)
+    else:
+        m = _window_sum(b_ptr, n, group, (p // W)[:, None], (p % W)[:, None], smn, smg, smh, smw, MH, MW, SH, SW,
+                        PH, PW, DH, DW, mask, BP, BC, KH, KW, BOX == 2, SQUARE, I64)
+        if BOX == 1:
+            m = m * box_scale + box_offset
+        m = tl.where(mask, m, 1.)
+        if STORE_M:
+            first = mask & ((c % CPG) == 0)[None, :]
+            tl.store(m_out_ptr + _map_index(n, G, group, P, p[:, None], I64), m, mask=first)
     if RSQRT:
         m = tl.rsqrt(m)
     z = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
@@ -278,25 +329,35 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
-          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None) -> torch.Tensor:
     """ `act(base + alpha * gain * (y + bias) * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`)
-    or `m`, `m` with one channel per group; into `out` (default: a new tensor in `y`'s layout and dtype)."""
+    or `m`, `m` with one channel per group, box-filtered first where `box` is given (and stored into `box.out`);
+    into `out` (default: a new tensor in `y`'s layout and dtype)."""
     n, c, h, w = y.shape
     if out is None:
         out = torch.empty_like(y)
-    m = m.contiguous()
+    if box is None:
+        m = m.contiguous()
     groups, p = m.shape[1], h * w
-    bp, bc = _tiles(c, p, y)
+    # a box filter's window offsets per element: half the elements keep a thread's registers within 96
+    bp, bc = _tiles(c, p, y, _TILE if box is None else _TILE // 2)
     npb = triton.cdiv(p, bp)
     others = (out,) if base is None else (out, base)
     base_args = (base, *base.stride()) if base is not None else (y, 0, 0, 0, 0)
+    if box is None:
+        box_args, box_kind, (kh, kw), m_out = (0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1., 0.), 0, (1, 1), None
+    else:
+        box_args = (*m.stride(), *m.shape[2:], *box.stride, *box.padding, *box.dilation, 1. / box.divisor,
+                    box.offset)
+        box_kind, (kh, kw), m_out = 2 if box.adjoint else 1, box.kernel_size, box.out
     _launch(
         _scale_kernel, (n * npb, triton.cdiv(c, bc)),
         y, *y.stride(), m, _or(bias, m), _or(gain, m), _or(post_bias, m), *base_args, out, *out.stride(),
-        c, p, w, c // groups, groups, npb, alpha,
+        _or(m_out, m), c, p, w, c // groups, groups, npb, alpha, *box_args,
         BP=bp, BC=bc, RSQRT=rsqrt, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None,
         HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
-        FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), num_warps=_WARPS)
+        FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), BOX=box_kind, KH=kh, KW=kw,
+        SQUARE=box is not None and box.squares, STORE_M=m_out is not None, num_warps=_WARPS)
     return out
 
 

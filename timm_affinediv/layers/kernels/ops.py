@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..patches import box_sum
+from ..patches import BoxFilter
 from . import _torch, dispatch
 
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
@@ -76,25 +76,29 @@ def _pointwise(kernel_size: List[int], padding: List[int]) -> bool:
     return list(kernel_size) == [1, 1] and not any(padding)
 
 
-def _poolable(kernel_size: List[int], padding: List[int], dilation: List[int]) -> bool:
-    """Whether the box filter is an average pooling's window (no dilation, at most half a window of padding)."""
-    return list(dilation) == [1, 1] and all(p <= k // 2 for p, k in zip(padding, kernel_size))
+def _box(kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int], **options) -> BoxFilter:
+    return BoxFilter(tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), **options)
 
 
-def _patch_norm_map(x: Tensor, kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int],
-                    groups: int, c: int, offset: float) -> Tensor:
-    """`b = (|P_p|^2 + offset) / c` per group and output position, float32: `r = rsqrt(b)`."""
+def _conv_output(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+                 post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int], groups: int,
+                 c: int, offset: float, act: str) -> Tuple[Tensor, Tensor]:
+    """ `(out, b)`: the output pass and `b = (|P_p|^2 + offset) / c` per group and output position, float32.
+
+    A k x k map's box filter runs inside the output pass on the channel sums of `x^2` at the input positions (on
+    `x` itself for a depthwise map), which stores `b` for the backward: no pooling, offset or fill launches of its
+    own."""
     kernels = _kernels()
-    if _pointwise(kernel_size, padding):
+    if _pointwise(weight.shape[2:], padding):
         # a 1x1 map reads only every stride-th position, and its box filter is the identity
-        return kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
-    q = kernels.channel_sq_norm(x, groups)
-    if _poolable(kernel_size, padding, dilation):
-        # the window sum of any number of channels with no filter tensor to fill (box_sum's convolution for many
-        # channels is the faster one on a CPU, not worth its two fills a step on a GPU)
-        return F.avg_pool2d(q, kernel_size, stride, padding, divisor_override=c).add_(offset / c)
-    ph, pw = padding
-    return box_sum(q, tuple(kernel_size), tuple(stride), (pw, pw, ph, ph), tuple(dilation), c, offset / c, groups)
+        b = kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
+        return kernels.scale(y, b, post_bias, act, gain=gain, bias=bias), b
+    b = y.new_empty((y.shape[0], groups, *y.shape[2:]), dtype=torch.float32)
+    # a depthwise map's channel sums are the squares themselves: the output pass filters them from `x`
+    depthwise = groups == x.shape[1]
+    q = x if depthwise else kernels.channel_sq_norm(x, groups)
+    box = _box(weight.shape[2:], stride, padding, dilation, divisor=c, offset=offset / c, squares=depthwise, out=b)
+    return kernels.scale(y, q, post_bias, act, gain=gain, bias=bias, box=box), b
 
 
 def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
@@ -105,18 +109,8 @@ def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int],
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
         kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
         return
-    (n, groups), (h, w) = t.shape[:2], x.shape[2:]
-    if _poolable(kernel_size, padding, dilation):
-        # the adjoint of a window sum is the backward of an average pooling whose divisor is 1
-        box_adjoint = torch.ops.aten.avg_pool2d_backward(
-            t, t.new_empty((n, groups, h, w)), kernel_size, stride, padding, False, True, 1)
-    else:
-        kernel = t.new_ones((groups, 1, *kernel_size))
-        # the transposed convolution's output is one row/column short where the forward's windows left input unread
-        output_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for size, o, s, p, d, k in zip(
-            (h, w), t.shape[2:], stride, padding, dilation, kernel_size)]
-        box_adjoint = F.conv_transpose2d(t, kernel, None, stride, padding, output_padding, groups, dilation)
-    kernels.scale(x, box_adjoint, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
+    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x,
+                  box=_box(kernel_size, stride, padding, dilation, adjoint=True))
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
@@ -127,7 +121,7 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
                      groups: int, c: int, offset: float, act: str,
                      norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """ `(out, y, b)`: `out = act(gain (y + bias) rsqrt(b) + post_bias)`, `y = conv(x)` without its bias, `b` as
-    `_patch_norm_map`.
+    `_conv_output`.
 
     The bias, `gain` and `post_bias` (a fused slot's affine) are applied in the output pass, in float32: not folded
     into the weight, nor the bias cast to the convolution's dtype, each of which would cost launches forward and
@@ -136,9 +130,9 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
     """
     y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     if norm_map is None:
-        b = _patch_norm_map(x, weight.shape[2:], stride, padding, dilation, groups, c, offset)
-    else:
-        b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
+        out, b = _conv_output(x, y, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, offset, act)
+        return out, y, b
+    b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
     return _kernels().scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
 
 
