@@ -1,7 +1,7 @@
-"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` with `reconstruct_steps=0`) / one
+"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` with `distill_epochs=0`) / one
 forward pass of the original over the same calibration set, for full-width models (random weights: the fit's cost
 does not depend on them). The fit is what a trained ResNet or ConvNeXt gets by default; a random-weight model's
-fitted logits are off enough to trigger block reconstruction, which a trained one does not need (its cost on trained
+fitted logits are off enough to trigger the distillation, which a trained one does not need (its cost on trained
 models: scripts/measure_family_conversion.py).
 
     python scripts/bench_convert.py        # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
@@ -52,7 +52,7 @@ def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device)
 def conversion_seconds(model: torch.nn.Module, batches: list, device: torch.device) -> float:
     model.cpu()
     start = time.perf_counter()
-    convert_model(model, calibration=batches, device=str(device), reconstruct_steps=0)
+    convert_model(model, calibration=batches, device=str(device), distill_epochs=0)
     return time.perf_counter() - start
 
 

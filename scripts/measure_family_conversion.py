@@ -3,9 +3,10 @@
 Fashion-MNIST at 32x32: top-1 of the original and of the model `convert_model` makes with its default arguments
 (calibrated on `--calib-batches` batches of 64 training images, no labels, no fine-tuning) on the first
 `--test-images` test images, their agreement, the conversion's seconds and its cost in forward passes of the
-original over the calibration batches, and what ran (blocks reconstructed, steps). Without `--checkpoint`, each
-original is trained first by a plain loop (`--epochs` over `--train-images` images, AdamW, one-cycle) and kept under
-`--runs`; the command that does only that is printed with the table (docs/families.md's conversion table).
+original over the calibration batches, and what ran (the fitted logits' error, blocks reconstructed, distillation).
+Without `--checkpoint`, each original is trained first by a plain loop (`--epochs` over `--train-images` images,
+AdamW, one-cycle) and kept under `--runs`; the command that does only that is printed with the table
+(docs/families.md's conversion table).
 
     python scripts/measure_family_conversion.py                       # every family: train if needed, the table
     python scripts/measure_family_conversion.py --models tinynet_e regnetx_002 --train-only
@@ -108,11 +109,16 @@ def forward_pass_seconds(model: nn.Module, batches: List[torch.Tensor]) -> float
 
 
 def what_ran(report) -> str:
-    """The report's reconstruction in a few words: which blocks, how many steps."""
+    """What ran after the fit, in a few words: the blocks reconstructed and their steps, the distillation's epochs
+    (with the fitted logits' error that decided it)."""
     ran = [b for b in report.blocks if b.steps]
-    if not ran:
-        return 'fit only'
-    return f'fit; {len(ran)}/{len(report.blocks)} blocks reconstructed, {sum(b.steps for b in ran)} steps'
+    text = f'fit (logits error {report.output_error_calibrated:.3f})'
+    if ran:
+        text += f'; {len(ran)}/{len(report.blocks)} blocks reconstructed, {sum(b.steps for b in ran)} steps'
+    d = report.distillation
+    if d is not None:
+        text += f'; distilled {d.epochs} epochs, KL {d.kl_before:.3f} -> {d.kl_after:.3f}'
+    return text
 
 
 def measure(name: str, kwargs: Dict[str, Any], checkpoint: str, calib_batches: int, test_images: int,

@@ -173,7 +173,8 @@ NARROW: Dict[str, dict] = {
 #: Flags whose value sets how long a run takes, and the cap each gets.
 BUDGET: Dict[str, int] = {
     '--epochs': 1, '--calib-images': 16, '--calib-batches': 2, '--reps': 4, '--rounds': 2, '--steps': 2,
-    '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--batches': 2,
+    '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--distill-epochs': 1,
+    '--batches': 2,
     '--batch-size': 16, '-b': 16, '--eval-images': 64, '--img-size': 64,
 }
 #: Flags listing several values (runs of the same thing), cut to the first.

@@ -74,14 +74,14 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     swapped, report = convert_model(model)
     assert report.top1_agreement_analytic is None and not report.layers
     calib = [x[i:i + 64] for i in range(0, 256, 64)]
-    calibrated, report = convert_model(model, calibration=calib, reconstruct_steps=0)
+    calibrated, report = convert_model(model, calibration=calib, distill_epochs=0)
     swap_top1, calibrated_top1 = _top1(swapped, xt, yt), _top1(calibrated, xt, yt)
     assert calibrated_top1 > swap_top1 + 0.1, (original, swap_top1, calibrated_top1)
     assert calibrated_top1 > original - 0.1, (original, calibrated_top1)
     assert report.top1_agreement_calibrated > report.top1_agreement_analytic + 0.1
     # the float32 sums of the fits give the model the float64 fit gives
     exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib],
-                             reconstruct_steps=0)
+                             distill_epochs=0)
     with torch.no_grad():
         ours, truth = calibrated(xt), exact(xt.double())
     assert (ours.double() - truth).abs().max() <= 1e-3 * truth.abs().max()
@@ -109,12 +109,13 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     original = _top1(model, xt, yt)
     assert original > 0.3, 'the briefly trained model should have learned something (chance: 0.1)'
     calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)],
-                                       reconstruct_steps=0)
+                                       distill_epochs=0)
     assert all(b.bound for b in describe_slots(calibrated))
     assert report.layers and all(f.rel_err_after <= f.rel_err_before + 1e-6 for f in report.layers)
     if name == 'tinynet_e':
         assert all(f.target.endswith('.norm') for f in report.layers if 'bn' in f.target), report.layers[:3]
         _check_reconstruction(model, x)
+        _check_distillation(model, x)
     else:
         assert _top1(calibrated, xt, yt) > original - 0.05 and report.top1_agreement_calibrated > 0.8
     rebuilt = timm.create_model(name, norm_layer='patchnorm', num_classes=10, in_chans=1, **NARROW[name])
@@ -147,8 +148,8 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     threshold above every layer's error, no block checked and the fit's model unchanged."""
     calib = [x[i:i + 32] for i in range(0, 128, 32)]
     before = copy.deepcopy(model.state_dict())
-    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3)
-            for _ in range(2)]
+    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3,
+                          distill_epochs=0) for _ in range(2)]
     (converted, report), (again, _) = runs
     names = [b.block for b in report.blocks]
     assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
@@ -162,10 +163,55 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     assert 'blocks.1.0: ' in report.describe() and f'{len(names)} of {len(names)} blocks' in report.describe()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
-    fitted, _ = convert_model(model, calibration=calib, reconstruct_steps=0)
-    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=1e9)
+    fitted, _ = convert_model(model, calibration=calib, distill_epochs=0)
+    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=1e9,
+                                      distill_epochs=0)
     assert not report.blocks and 'no block was reconstructed' in report.describe()
     assert all(torch.equal(v, fitted.state_dict()[k]) for k, v in untouched.state_dict().items())
+
+
+def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
+    """Logit distillation after the fit (the default where the fitted logits are off): the converted model's mean KL
+    to the original's class distribution on the calibration images falls (by a fifth at least), the report and
+    its sentence say what ran; the same result from the same seed, the original untouched; below the threshold the
+    fit's model is returned as it is, and the sentence says it was not distilled."""
+    from timm_affinediv.convert.distill import logit_kl
+    calib = [x[i:i + 64] for i in range(0, 1024, 64)]
+    before = copy.deepcopy(model.state_dict())
+    fitted, fit_report = convert_model(model, calibration=calib, distill_threshold=1e9)
+    assert fit_report.distillation is None and 'so it was not distilled' in fit_report.describe()
+    (converted, report), (again, _) = [convert_model(model, calibration=calib, distill_epochs=3, distill_threshold=0)
+                                       for _ in range(2)]
+    d = report.distillation
+    assert d is not None and d.epochs == 3 and d.steps == 48 and d.kl_after < 0.8 * d.kl_before, d
+    with torch.no_grad():
+        kl = sum(logit_kl(converted(b), model.eval()(b)).item() for b in calib) / len(calib)
+        kl_fit = sum(logit_kl(fitted(b), model(b)).item() for b in calib) / len(calib)
+    assert kl == pytest.approx(d.kl_after, rel=1e-4) and kl_fit == pytest.approx(d.kl_before, rel=1e-4)
+    assert 0 < report.top1_agreement_distilled <= 1
+    assert report.output_error_refitted == pytest.approx(fit_report.output_error_calibrated)
+    assert "distilled on the original's logits for 3 epochs (48 Adam steps" in report.describe()
+    assert f'{100 * report.top1_agreement_distilled:.1f}%' in report.describe()
+    assert 'distilled' in report.format_table()
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_distillation_that_does_not_help_keeps_the_fit():
+    """Where distillation leaves the mean KL above the fit's (a learning rate far too large), the fitted parameters
+    are restored and the fit's outputs returned."""
+    from timm_affinediv.convert.distill import DistillationOptions, distill_logits
+    torch.manual_seed(0)
+    student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
+    batches = [torch.randn(8, 4) for _ in range(3)]
+    with torch.no_grad():
+        targets, outputs = [teacher(b) for b in batches], [student(b) for b in batches]
+    fitted = copy.deepcopy(student.state_dict())
+    fit, returned = distill_logits(student, batches, targets, outputs, DistillationOptions(epochs=2, lr=1e3))
+    assert fit.kl_after == fit.kl_before and returned is outputs
+    assert all(torch.equal(v, student.state_dict()[k]) for k, v in fitted.items())
+    fit, _ = distill_logits(student, batches, targets, outputs, DistillationOptions(epochs=20, lr=1e-2))
+    assert fit.kl_after < fit.kl_before and fit.steps == 60
 
 
 def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_loss():
@@ -350,7 +396,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     model = _randomised(name).double()
     batches = [x[i:i + 6].double() for i in range(0, 12, 6)]
     reference, errors = _reference_convert(model, batches, positions_per_batch=200)
-    converted, report = convert_model(model, calibration=batches, positions_per_batch=200, reconstruct_steps=0)
+    converted, report = convert_model(model, calibration=batches, positions_per_batch=200, distill_epochs=0)
     assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
                                                  if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
@@ -363,7 +409,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     assert report.top1_agreement_calibrated == pytest.approx(agree)
     # activations spilled to disk (no memory budget) give the very same model
     spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0,
-                               reconstruct_steps=0)
+                               distill_epochs=0)
     for key, value in spilled.state_dict().items():
         torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
 
@@ -422,7 +468,7 @@ def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
     x, _ = _tensors('train', 40)
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
     _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), calibration=(x[i:i + 16] for i in range(0, 40, 16)),
-                                     eval_images=0, reconstruct_steps=0, progress=False)
+                                     eval_images=0, distill_epochs=0, progress=False)
     assert report.calibration_batches == 3 and report.calibration_images == 40 and report.layers
     assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
 
@@ -438,8 +484,8 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 64, 16)]
-    _, full = convert_model(model, calibration=batches, positions_per_unknown=None, reconstruct_steps=0)
-    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2, reconstruct_steps=0)
+    _, full = convert_model(model, calibration=batches, positions_per_unknown=None, distill_epochs=0)
+    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2, distill_epochs=0)
     modules = dict(converted.named_modules())
     for fit, unbounded in zip(budgeted.layers, full.layers):
         layer = modules[fit.layer]
@@ -506,9 +552,9 @@ def test_half_precision_model_converts_in_its_dtype(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 32, 16)]
-    _, full = convert_model(model, calibration=batches, reconstruct_steps=0)
+    _, full = convert_model(model, calibration=batches, distill_epochs=0)
     half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches],
-                                 reconstruct_steps=0)
+                                 distill_epochs=0)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],

@@ -448,8 +448,8 @@ def test_cuda_convert_model_on_the_gpu():
     model = timm.create_model('resnet18', num_classes=10).eval()
     calibration = [torch.randn(8, 3, 64, 64) for _ in range(2)]
     # the fit alone: reconstruction's Adam steps would differ between the devices by their floating-point order
-    on_cpu, _ = convert_model(model, calibration=calibration, device='cpu', reconstruct_steps=0)
-    converted, _ = convert_model(model.cuda(), calibration=calibration, device='cuda', reconstruct_steps=0)
+    on_cpu, _ = convert_model(model, calibration=calibration, device='cpu', distill_epochs=0)
+    converted, _ = convert_model(model.cuda(), calibration=calibration, device='cuda', distill_epochs=0)
     assert all(p.is_cuda for p in converted.parameters())
     with torch.no_grad():
         x = calibration[0]

@@ -50,7 +50,13 @@ def main(argv=None) -> int:
                         help="'auto': CUDA when available")
     parser.add_argument('--calib-memory', type=positive_float, default=4.0,
                         help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
-    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=128,
+    parser.add_argument('--distill-epochs', type=non_negative_int, default=6,
+                        help="epochs of distillation of the whole model on the original's logits after the fit, on "
+                             'the calibration images (0: none)')
+    parser.add_argument('--distill-threshold', type=non_negative_float, default=0.01,
+                        help="it runs where the fitted model's logits have a relative squared error above this "
+                             '(0: always)')
+    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=0,
                         help='Adam steps per block at most of block-wise reconstruction after the fit, on the '
                              'calibration images (0: none)')
     parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.1,
@@ -69,6 +75,7 @@ def main(argv=None) -> int:
         calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
         eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
         reconstruct_steps=args.reconstruct_steps, reconstruct_threshold=args.reconstruct_threshold,
+        distill_epochs=args.distill_epochs, distill_threshold=args.distill_threshold,
         base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
             model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
         overwrite=args.overwrite, **args.model_kwargs)

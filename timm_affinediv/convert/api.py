@@ -15,6 +15,7 @@ from ..errors import ConversionError
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from ..layers.binding import fuses_qkv_bias, separate_qkv_biases
 from ..layers.slot import PatchNormSlot
+from .distill import DistillationFit, DistillationOptions, distill_logits
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
 from .rebuild import architecture, build_converted, carry_weights, check_norms, model_in_chans
@@ -44,8 +45,11 @@ class CalibrationOptions:
         reconstruct_threshold: where the fitted model's logits have a relative squared error above this, the blocks
             whose output has one above it are reconstructed.
         reconstruct_lr: its learning rate.
+        distill_epochs: epochs of logit distillation of the whole model after the fit (`distill.py`; 0: none).
+        distill_threshold: it runs where the fitted model's logits have a relative squared error above this.
+        distill_lr: its peak learning rate.
         progress: show a progress bar.
-        seed: seed of the positions' draw and of the reconstruction's batch order.
+        seed: seed of the positions' draw and of the reconstruction's and distillation's batch order.
     """
     ridge: float = 1e-2
     positions_per_batch: int = 2048
@@ -53,9 +57,12 @@ class CalibrationOptions:
     analytic_batches: Optional[int] = 1
     calib_memory: int = 4 << 30
     cache_dtype: Optional[torch.dtype] = None
-    reconstruct_steps: int = 128
+    reconstruct_steps: int = 0
     reconstruct_threshold: float = 0.1
     reconstruct_lr: float = 3e-3
+    distill_epochs: int = 6
+    distill_threshold: float = 0.01
+    distill_lr: float = 1e-4
     progress: bool = False
     seed: int = 0
 
@@ -83,17 +90,22 @@ class ConversionReport:
     analytic_images: int = 0
     top1_agreement_calibrated: Optional[float] = None
     top1_agreement_reconstructed: Optional[float] = None
+    top1_agreement_distilled: Optional[float] = None
     output_error_calibrated: Optional[float] = None
+    output_error_refitted: Optional[float] = None
     layers: List[LayerFit] = field(default_factory=list)
     blocks: List[BlockFit] = field(default_factory=list)
     reconstruct_threshold: Optional[float] = None
+    distillation: Optional[DistillationFit] = None
+    distill_threshold: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> str:
-        """ What the conversion did, in one sentence: the fit, which blocks were reconstructed (steps each), and the
-        converted model's top-1 agreement with the original on the calibration images (the model card's recipe)."""
+        """ What the conversion did, in one sentence: the fit, which blocks were reconstructed (steps each), whether
+        the whole model was distilled, and the converted model's top-1 agreement with the original on the calibration
+        images (the model card's recipe)."""
         text = f'{len(self.layers)} divergence-corrected layers fitted by ridge least squares'
         trained = [b for b in self.blocks if b.steps]
         if self.blocks:
@@ -104,7 +116,18 @@ class ConversionReport:
         elif self.reconstruct_threshold is not None:
             text += (f"; the fitted model's output (relative squared error {self.output_error_calibrated:.3f}) was "
                      f'within {self.reconstruct_threshold:g} of the original\'s, so no block was reconstructed')
-        agreement = self.top1_agreement_reconstructed if self.blocks else self.top1_agreement_calibrated
+        if self.distillation is not None:
+            d = self.distillation
+            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
+                     f'{self.output_error_refitted:.3f}) was above {self.distill_threshold:g}, so the whole model was '
+                     f"distilled on the original's logits for {d.epochs} epochs ({d.steps} Adam steps, mean KL "
+                     f'{d.kl_before:.4f} -> {d.kl_after:.4f})')
+        elif self.distill_threshold is not None:
+            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
+                     f'{self.output_error_refitted:.3f}) was within {self.distill_threshold:g} of the original\'s, '
+                     f'so it was not distilled')
+        agreement = next((a for a in (self.top1_agreement_distilled, self.top1_agreement_reconstructed,
+                                      self.top1_agreement_calibrated) if a is not None), None)
         if agreement is not None:
             text += (f'; top-1 agreement with the original on the {self.calibration_images} calibration images '
                      f'{100 * agreement:.1f}%')
@@ -128,7 +151,9 @@ class ConversionReport:
                          + ('' if self.top1_agreement_calibrated is None else
                             f', calibrated {100 * self.top1_agreement_calibrated:.2f}%')
                          + ('' if self.top1_agreement_reconstructed is None else
-                            f', reconstructed {100 * self.top1_agreement_reconstructed:.2f}%'))
+                            f', reconstructed {100 * self.top1_agreement_reconstructed:.2f}%')
+                         + ('' if self.top1_agreement_distilled is None else
+                            f', distilled {100 * self.top1_agreement_distilled:.2f}%'))
         lines.append(f'{self.architecture} -> {self.norm}, {self.calibration_batches} calibration batches '
                      f'({self.calibration_images} images), {self.seconds:.1f} s')
         return '\n'.join(lines)
@@ -164,9 +189,12 @@ def convert_model(
         device: Optional[str] = None,
         calib_memory: int = 4 << 30,
         cache_dtype: Optional[torch.dtype] = None,
-        reconstruct_steps: int = 128,
+        reconstruct_steps: int = 0,
         reconstruct_threshold: float = 0.1,
         reconstruct_lr: float = 3e-3,
+        distill_epochs: int = 6,
+        distill_threshold: float = 0.01,
+        distill_lr: float = 1e-4,
         progress: bool = False,
         seed: int = 0,
         **model_kwargs,
@@ -199,9 +227,19 @@ def convert_model(
             halves the memory at float16 precision).
         reconstruct_steps: after the fit, Adam steps per block of block-wise reconstruction (`reconstruct.py`):
             the layers of each block trained together to reproduce the original block's output on the calibration
-            images, no labels. It closes most of what the fit leaves in models of 3x3 depthwise maps (EfficientNet);
-            0 (default): none. Holds one block's inputs and outputs on all batches in memory at a time.
+            images, no labels; 0 (default): none. Distillation (below) did better at a lower cost on every family
+            measured (docs/families.md). Holds one block's inputs and outputs on all batches in memory at a time.
+        reconstruct_threshold: where the fitted model's logits have a relative squared error above this, the blocks
+            whose output has one above it are reconstructed.
         reconstruct_lr: the reconstruction's learning rate.
+        distill_epochs: after the fit (and any reconstruction), epochs of logit distillation (`distill.py`): every
+            parameter of the converted model trained so that its class distribution matches the original's on the
+            calibration images (KL divergence, Adam, cosine learning rate; no labels), where the model's logits
+            there have a relative squared error above `distill_threshold`. Each epoch costs about three to four
+            forward passes of the original over the calibration images; where the fit is enough (ResNet, ConvNeXt,
+            ViT trained at full width) it does not run. 0: never.
+        distill_threshold: the logits' relative squared error above which the model is distilled.
+        distill_lr: the distillation's peak learning rate.
         progress: show a progress bar.
         **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
@@ -229,12 +267,15 @@ def convert_model(
             ridge=ridge, positions_per_batch=positions_per_batch, positions_per_unknown=positions_per_unknown,
             analytic_batches=analytic_batches, calib_memory=calib_memory, cache_dtype=cache_dtype,
             reconstruct_steps=reconstruct_steps, reconstruct_threshold=reconstruct_threshold,
-            reconstruct_lr=reconstruct_lr, progress=progress, seed=seed)
+            reconstruct_lr=reconstruct_lr, distill_epochs=distill_epochs, distill_threshold=distill_threshold,
+            distill_lr=distill_lr, progress=progress, seed=seed)
         try:
             batches = [x.to(device) for x in batches]
-            original_logits = _calibrate(model, converted, batches, report, options)
+            original_logits, outputs = _calibrate(model, converted, batches, report, options)
             if options.reconstruct_steps:
-                _reconstruct(model, converted, batches, original_logits, report, options)
+                outputs = _reconstruct(model, converted, batches, original_logits, outputs, report, options)
+            if options.distill_epochs:
+                _distill(converted, batches, original_logits, outputs, report, options)
         finally:
             model.to(home)
         converted.to(home)
@@ -288,9 +329,9 @@ def _qkv_called_as_module(model: nn.Module) -> nn.Module:
 
 
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
-               options: CalibrationOptions) -> List[torch.Tensor]:
+               options: CalibrationOptions) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring); returns the
-    original's logits on the batches.
+    original's logits on the batches and the fitted model's.
 
     Both models are traced and walked over all batches together (`GraphWalk`): the converted model up to
     the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
@@ -330,18 +371,20 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
         report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
     report.output_error_calibrated = relative_squared_error(walk.outputs, original.outputs)
-    return original.outputs
+    return original.outputs, walk.outputs
 
 
 def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor],
-                 original_logits: List[torch.Tensor], report: 'ConversionReport', options: CalibrationOptions) -> None:
+                 original_logits: List[torch.Tensor], outputs: List[torch.Tensor], report: 'ConversionReport',
+                 options: CalibrationOptions) -> List[torch.Tensor]:
     """ Block reconstruction after the fit (`reconstruct.py`), on the blocks whose error is above the threshold,
     where the fitted model's output (its logits' relative squared error on the calibration batches, which the fit
     measured at no cost) is above it too: checking the blocks costs a forward pass of each model, and a model whose
-    output the fit reproduces (ResNet, ConvNeXt, ViT) needs no more, whatever its blocks' errors."""
+    output the fit reproduces (ResNet, ConvNeXt, ViT) needs no more, whatever its blocks' errors. Returns the
+    converted model's logits on the batches after it (`outputs`, the fitted model's, where it did not run)."""
     report.reconstruct_threshold = options.reconstruct_threshold
     if report.output_error_calibrated <= options.reconstruct_threshold:
-        return
+        return outputs
     cache = ActivationCache(options.calib_memory, options.cache_dtype)
     try:
         with torch.no_grad():
@@ -351,6 +394,20 @@ def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Ten
     finally:
         cache.close()
     report.top1_agreement_reconstructed = _agreement(original_logits, outputs)
+    return outputs
+
+
+def _distill(converted: nn.Module, batches: List[torch.Tensor], original_logits: List[torch.Tensor],
+             outputs: List[torch.Tensor], report: 'ConversionReport', options: CalibrationOptions) -> None:
+    """ Logit distillation of the whole converted model (`distill.py`) where its logits `outputs` on the batches,
+    after the fit and any reconstruction, have a relative squared error above the threshold."""
+    report.distill_threshold = options.distill_threshold
+    report.output_error_refitted = relative_squared_error(outputs, original_logits)
+    if report.output_error_refitted <= options.distill_threshold:
+        return
+    report.distillation, outputs = distill_logits(converted, batches, original_logits, outputs, DistillationOptions(
+        epochs=options.distill_epochs, lr=options.distill_lr, seed=options.seed))
+    report.top1_agreement_distilled = _agreement(original_logits, outputs)
 
 
 def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:
