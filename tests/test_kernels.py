@@ -285,6 +285,35 @@ def _fallback_layer(layer: str) -> nn.Module:
 
 
 @needs_interpreter
+@pytest.mark.parametrize('geometry', ['3x3', 'strided', 'dilated', 'rect-kernel', 'depthwise-strided'])
+def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
+    """The output pass's box filter (forward, storing `b`; adjoint) gives what the torch twins the ops fall back to
+    give (pooling, a depthwise or transposed convolution), strides, padding, dilation and a depthwise map's squares
+    of `x` alike."""
+    from timm_affinediv.layers.kernels import _torch, _triton
+    from timm_affinediv.layers.patches import BoxFilter
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    geo = dict(kernel_size=conv.kernel_size, stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, 9, 7).to(memory_format=torch.channels_last)
+    y = conv(x).detach()
+    depthwise = conv.groups == cin
+    m = x if depthwise else torch.rand(2, conv.groups, 9, 7)
+    t = torch.rand(2, conv.groups, *y.shape[2:])
+    results = []
+    for kernels in (_triton, _torch):
+        b = torch.empty(2, conv.groups, *y.shape[2:])
+        box = BoxFilter(**geo, divisor=5, offset=0.1, squares=depthwise, out=b)
+        out = kernels.scale(y, m, box=box)
+        adjoint = kernels.scale(x, t, alpha=-0.2, rsqrt=False, base=x, out=torch.empty_like(x),
+                                box=BoxFilter(**geo, adjoint=True))
+        results.append((out, b, adjoint))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
 @pytest.mark.parametrize('kernel', ['_scale_kernel', '_scale_backward_kernel'], ids=['forward', 'backward'])
 @pytest.mark.parametrize('layer', ['conv', 'linear', 'l2norm'])
 def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_triton(layer, kernel, kernels,
