@@ -425,3 +425,20 @@ def test_train_py_model_flags(tmp_path):
         create_train_model(TrainConfig(model='resnet18', bn_momentum=0.5), in_chans=1)
     trainer = Trainer(recipe(tmp_path, head_init_scale=0., head_init_bias=0.25))
     assert not trainer.model.fc.weight.any() and torch.all(trainer.model.fc.bias == 0.25)
+
+
+def test_conversion_calibrates_on_a_stream(wds_dir, tmp_path):
+    """`convert_to_folder(dataset='wds/...')` (as `timm-affinediv convert --dataset wds/...`) calibrates on the
+    stream's first images, read with the model's eval transforms, and the card names the stream."""
+    import timm
+
+    from timm_affinediv.model_io import convert_to_folder
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, channels=(16, 32, 64, 128), stem_width=16,
+                              pretrained_cfg_overlay=dict(input_size=(1, 32, 32), crop_pct=1.0)).eval()
+    _, report, metrics = convert_to_folder(model, str(tmp_path / 'out'), dataset='wds/fmnist', data_dir=str(wds_dir),
+                                           calib_images=24, batch_size=8, eval_images=16, progress=False,
+                                           distill_epochs=0)
+    assert (report.calibration_images, report.calibration_batches) == (24, 3) and report.layers
+    assert metrics['converted']['top1'] >= 0 and 'original' in metrics
+    card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+    assert 'on 24 wds/fmnist training images (3 batches, no labels)' in card, card
