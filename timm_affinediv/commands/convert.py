@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                              '(0: always)')
     parser.add_argument('--reconstruct-steps', type=non_negative_int, default=0,
                         help='Adam steps per block at most of block-wise reconstruction after the fit, on the '
-                             'calibration images (0: none)')
+                             'calibration images, before any distillation (0, the default: none)')
     parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.1,
                         help="where the fitted model's logits have a relative squared error above this, the blocks "
                              'whose output has one above it are reconstructed (0: every block)')
