@@ -6,7 +6,8 @@ name, not a command), and the examples of each command's and script's `--help`. 
 with one mechanism changing what it meets, never its flags' names:
 
 - **Stand-in models**: the architectures the docs name (`resnet50`, `convnext_tiny`, `vit_small_patch16_224`, ...)
-  are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win).
+  are built narrow (`NARROW`: timm's entrypoint with fewer channels and blocks; arguments a command passes win), the
+  convolutional ones with a 64 px default input (`SMALL_INPUT`, over their pretrained configuration's 224).
 - **Stand-in data**: Fashion-MNIST is a 1,024-image copy in the Debian IDX format; `PATH` (and `/data/imagenet`), the
   images an ImageNet model is converted or fine-tuned on, is a folder of one small image for each of 1000 classes
   (`PATH/train/<class>/`, `PATH/validation/<class>/`).
@@ -240,6 +241,11 @@ def apply_budget(words: List[str]) -> List[str]:
                 out += [flag, *values]
     return out
 
+#: The convolutional stand-ins' default input size: their pretrained configuration's 224 px (what the commands
+#: resolve their data transforms from where they give no size) made 64, as their width is narrowed.
+SMALL_INPUT: Dict[str, dict] = {name: dict(input_size=(3, 64, 64), test_input_size=(3, 64, 64), crop_pct=1.0)
+                                for name in ('resnet18', 'resnet50', 'convnext_tiny', 'convnext_atto')}
+
 
 def _narrow_entrypoints() -> Dict[str, Callable]:
     import functools
@@ -252,8 +258,12 @@ def _narrow_entrypoints() -> Dict[str, Callable]:
         originals[name] = original
 
         @functools.wraps(original)
-        def narrow(pretrained=False, _original=original, _defaults=defaults, **kwargs):
-            return _original(pretrained=pretrained, **{**_defaults, **kwargs})
+        def narrow(pretrained=False, _original=original, _defaults=defaults, _name=name, **kwargs):
+            kwargs = {**_defaults, **kwargs}
+            if _name in SMALL_INPUT:
+                overlay = kwargs.get('pretrained_cfg_overlay') or {}
+                kwargs['pretrained_cfg_overlay'] = {**SMALL_INPUT[_name], **overlay}
+            return _original(pretrained=pretrained, **kwargs)
         _registry._model_entrypoints[name] = narrow
     return originals
 
