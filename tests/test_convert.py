@@ -197,6 +197,18 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
+def test_conversion_under_inference_mode_still_distils():
+    """`convert_model` called inside `torch.inference_mode()` (batches made there too) builds a model it can train:
+    the distillation runs and the converted model's parameters are ordinary tensors."""
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    with torch.inference_mode():
+        batches = [torch.randn(8, 1, 32, 32) for _ in range(2)]
+        converted, report = convert_model(model, calibration=batches, distill_epochs=1, distill_threshold=0)
+    assert report.distillation is not None and report.distillation.steps == 2
+    assert not any(p.is_inference() for p in converted.parameters())
+
+
 def test_distillation_that_does_not_help_keeps_the_fit():
     """Where distillation leaves the mean KL above the fit's (a learning rate far too large), the fitted parameters
     are restored and the fit's outputs returned."""

@@ -177,6 +177,7 @@ def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
     return sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in pairs) / sum(len(a) for a, _ in pairs)
 
 
+@torch.inference_mode(False)  # the distillation trains the converted model, whatever mode the caller is in
 def convert_model(
         model: nn.Module,
         norm: str = 'patchnorm',
@@ -270,7 +271,8 @@ def convert_model(
             reconstruct_lr=reconstruct_lr, distill_epochs=distill_epochs, distill_threshold=distill_threshold,
             distill_lr=distill_lr, progress=progress, seed=seed)
         try:
-            batches = [x.to(device) for x in batches]
+            # a batch made in inference mode cannot be saved for a backward pass: a copy of it can
+            batches = [x.to(device).clone() if x.is_inference() else x.to(device) for x in batches]
             original_logits, outputs = _calibrate(model, converted, batches, report, options)
             if options.reconstruct_steps:
                 outputs = _reconstruct(model, converted, batches, original_logits, outputs, report, options)
