@@ -116,16 +116,13 @@ class ConversionReport:
         elif self.reconstruct_threshold is not None:
             text += (f"; the fitted model's output (relative squared error {self.output_error_calibrated:.3f}) was "
                      f'within {self.reconstruct_threshold:g} of the original\'s, so no block was reconstructed')
-        if self.distillation is not None:
+        if self.distill_threshold is not None:
+            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
+                     f'{self.output_error_refitted:.3f}) was ')
             d = self.distillation
-            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
-                     f'{self.output_error_refitted:.3f}) was above {self.distill_threshold:g}, so the whole model was '
-                     f"distilled on the original's logits for {d.epochs} epochs ({d.steps} Adam steps, mean KL "
-                     f'{d.kl_before:.4f} -> {d.kl_after:.4f})')
-        elif self.distill_threshold is not None:
-            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
-                     f'{self.output_error_refitted:.3f}) was within {self.distill_threshold:g} of the original\'s, '
-                     f'so it was not distilled')
+            text += (f'within {self.distill_threshold:g} of the original\'s, so it was not distilled' if d is None else
+                     f"above {self.distill_threshold:g}, so the whole model was distilled on the original's logits "
+                     f'for {d.epochs} epochs ({d.steps} Adam steps, mean KL {d.kl_before:.4f} -> {d.kl_after:.4f})')
         agreement = next((a for a in (self.top1_agreement_distilled, self.top1_agreement_reconstructed,
                                       self.top1_agreement_calibrated) if a is not None), None)
         if agreement is not None:
@@ -235,10 +232,10 @@ def convert_model(
         reconstruct_lr: the reconstruction's learning rate.
         distill_epochs: after the fit (and any reconstruction), epochs of logit distillation (`distill.py`): every
             parameter of the converted model trained so that its class distribution matches the original's on the
-            calibration images (KL divergence, Adam, cosine learning rate; no labels), where the model's logits
-            there have a relative squared error above `distill_threshold`. Each epoch costs about three to four
-            forward passes of the original over the calibration images; where the fit is enough (ResNet, ConvNeXt,
-            ViT trained at full width) it does not run. 0: never.
+            calibration images (KL divergence, Adam, the learning rate warmed up then decayed by a cosine; no
+            labels), where the model's logits there have a relative squared error above `distill_threshold`. Each
+            epoch costs about four forward passes of the original over the calibration images; where the fit is
+            enough (ResNet, ConvNeXt, ViT trained at full width) it does not run. 0: never.
         distill_threshold: the logits' relative squared error above which the model is distilled.
         distill_lr: the distillation's peak learning rate.
         progress: show a progress bar.

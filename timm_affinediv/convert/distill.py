@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .reconstruct import restore_parameters
+
 __all__ = ['DistillationOptions', 'DistillationFit', 'distill_logits', 'logit_kl']
 
 
@@ -99,8 +101,6 @@ def distill_logits(converted: nn.Module, batches: List[torch.Tensor], targets: L
         distilled = [converted(x) for x in batches]
     after = _mean_kl(distilled, targets)
     if after >= before:
-        with torch.no_grad():
-            for p, value in zip(params, fitted):
-                p.copy_(value)
+        restore_parameters(params, fitted)
         return DistillationFit(options.epochs, steps, before, before), outputs
     return DistillationFit(options.epochs, steps, before, after), distilled

@@ -33,7 +33,8 @@ import torch.nn as nn
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from .graph import ActivationCache, GraphWalk, trace
 
-__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error']
+__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error',
+           'restore_parameters']
 
 _CORRECTED = (PatchNormConv2d, AffineDivLinear)
 
@@ -108,6 +109,13 @@ def relative_squared_error(outputs: Iterable[torch.Tensor], targets: List[torch.
         return sum(((a - b).square().sum() / b.square().sum()).item() for a, b in zip(outputs, targets)) / len(targets)
 
 
+def restore_parameters(params: List[nn.Parameter], values: List[torch.Tensor]) -> None:
+    """Copy `values` (taken before training) back into `params`: the fit kept where training did not help."""
+    with torch.no_grad():
+        for p, value in zip(params, values):
+            p.copy_(value)
+
+
 def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.Tensor]) -> float:
     return relative_squared_error((output(i) for i in range(len(targets))), targets)
 
@@ -146,9 +154,7 @@ def _segment(name: str, params: List[nn.Parameter], output: Callable[[int], torc
     steps = _train(params, output, targets, options, generator)
     after = _relative_error(output, targets)
     if after >= before:  # a few large first Adam steps can leave it worse: the fit's parameters are kept then
-        with torch.no_grad():
-            for p, value in zip(params, fitted):
-                p.copy_(value)
+        restore_parameters(params, fitted)
         after = before
     return BlockFit(name, before, after, steps)
 
