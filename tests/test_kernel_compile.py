@@ -43,6 +43,8 @@ def test_every_train_step_kernel_compiles_for_sm80_and_sm90a_within_128_register
     # squares), and its adjoint
     scale = [r['constants'] for r in rows if r['kernel'] == '_scale_kernel']
     assert {c['BOX'] for c in scale} == {0, 1, 2} and {c['SQUARE'] for c in scale if c['BOX'] == 1} == {True, False}
+    # the `dx` passes that sum the backward's partial sums in their launch, after a k x k map and a 1x1 one
+    assert {c['BOX'] for c in scale if c['SUM']} == {0, 2}
     assert sum(r['launches'] for r in rows if r['arch'] == 'sm_90a') > 1500
     bad = [r for r in rows if r['error'] or r['local'] or r['registers'] > 128]
     assert not bad, bad

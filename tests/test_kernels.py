@@ -314,6 +314,39 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
 
 
 @needs_interpreter
+@pytest.mark.parametrize('groups', [1, 2, 12], ids=['one-group', 'grouped', 'per-channel'])
+@pytest.mark.parametrize('channels_last', [False, True], ids=['nchw', 'channels_last'])
+def test_backward_partial_sums_over_units_and_channel_blocks(groups, channels_last, monkeypatch):
+    """The backward's programs each walk several blocks of positions (and of a group's channels), keeping one row of
+    partial sums a program and accumulating `t` over the channel blocks; the `dx` pass sums the partials in its
+    launch: dL/dy, `t`, the `dx` update and the parameters' gradients equal the torch twins', with tiles, programs
+    and summing tiles shrunk so that every loop runs several times with a ragged end."""
+    from timm_affinediv.layers.kernels import _torch, _triton
+    # tiles of 2 positions x 4 channels; 54 units of positions, walked by 5 programs of 11 (the last of 10)
+    monkeypatch.setattr(_triton, '_tiles', lambda *args, **kwargs: (2, 4))
+    monkeypatch.setattr(_triton, '_PARTIAL_ROWS', 5)
+    monkeypatch.setattr(_triton, '_SUM_ROWS', 2)
+    monkeypatch.setattr(_triton, '_SUM_COLUMNS', 4)
+    torch.manual_seed(0)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    grad, y, x = (torch.randn(3, 12, 5, 7).to(memory_format=layout) for _ in range(3))
+    b = torch.rand(3, groups, 5, 7) + 0.5
+    gain, bias, post_bias = torch.randn(12), torch.randn(12), torch.randn(12)
+    results = []
+    for kernels in (_triton, _torch):
+        grad_y, t, partials = kernels.scale_backward(grad, y, b, post_bias, 'gelu', True, gain=gain, gain_grad=True,
+                                                     bias=bias, bias_grad=True)
+        sums = torch.empty(3, 12)
+        dx = kernels.scale(x, t, alpha=-0.25, rsqrt=False, base=x, out=torch.empty_like(x), partials=partials,
+                           sums=sums)
+        results.append((grad_y, t, dx, sums))
+        if kernels is _triton:
+            assert partials.shape == (3, 5, 12)
+    for name, got, want in zip(['dL/dy', 't', 'dx', 'sums'], *results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f'{name}: {m}')
+
+
+@needs_interpreter
 @pytest.mark.parametrize('kernel', ['_scale_kernel', '_scale_backward_kernel'], ids=['forward', 'backward'])
 @pytest.mark.parametrize('layer', ['conv', 'linear', 'l2norm'])
 def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_triton(layer, kernel, kernels,
@@ -506,10 +539,11 @@ def test_bench_gpu_script_runs_on_the_cpu(tmp_path, capsys):
     assert "--modes eager,compiled; got 'train,inference', 'jit'" in capsys.readouterr().err
 
 
-def test_train_step_launches_no_box_filter_of_its_own(run_script):
+def test_train_step_launches_no_box_filter_or_sum_of_its_own(run_script):
     """On the Triton path a k x k map's box filter (forward and adjoint) and a depthwise map's channel norms run inside
     the output and `dx` passes: a train step adds no pooling, fill or transposed convolution to the native model's
-    launches (`scripts/launch_count.py`, the kernels' values from their torch twins)."""
+    launches (`scripts/launch_count.py`, the kernels' values from their torch twins). The `dx` pass sums the
+    backward's partial sums too: a ResNet adds one `sum`, its stem's, whose input needs no gradient."""
     proc = run_script('launch_count', '--models', 'resnet18', 'convnext_atto', '--img-size', '32', '--top', '100',
                       timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -517,6 +551,8 @@ def test_train_step_launches_no_box_filter_of_its_own(run_script):
     assert len(rows) == 2, proc.stdout
     box_filter_ops = {'avg_pool2d', 'avg_pool2d_backward', 'conv_transpose2d', 'fill_', 'ones', 'new_ones', 'full',
                       'new_full'}
-    for row in rows:
-        added = {item.split(' +')[0].strip() for item in row.split('|')[-2].split(',')}
-        assert not added & box_filter_ops, row
+    added = {row.split('|')[1].strip(): dict(item.strip().split(' +') for item in row.split('|')[-2].split(','))
+             for row in rows}
+    for name, ops in added.items():
+        assert not set(ops) & box_filter_ops, (name, ops)
+    assert added['resnet18'].get('sum') == '1', added['resnet18']

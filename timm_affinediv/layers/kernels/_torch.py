@@ -35,7 +35,10 @@ def _per_channel_vector(v: torch.Tensor) -> torch.Tensor:
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
-          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None) -> torch.Tensor:
+          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None,
+          partials: Optional[torch.Tensor] = None, sums: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if partials is not None:
+        torch.sum(partials, 1, out=sums)
     if box is not None:
         m = box(m, y.shape[2:])
     m = _per_channel(m.rsqrt() if rsqrt else m, y.shape[1])
@@ -69,4 +72,4 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
     t = (g_lin * y32).unflatten(1, (groups, -1)).sum(2) * r_groups ** 3
     sums = [g, g * yr, dy]
     affine = [s.sum((0, 2, 3)) for s, wanted in zip(sums, (post_bias_grad, gain_grad, bias_grad)) if wanted]
-    return _into(dy, y, grad_y), t.contiguous(), torch.stack(affine) if affine else None
+    return _into(dy, y, grad_y), t.contiguous(), torch.stack(affine)[:, None] if affine else None

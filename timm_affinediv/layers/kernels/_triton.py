@@ -17,6 +17,10 @@ from .dispatch import KernelError
 ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
 _TILE = 1024  # elements a program's tile holds: 8 a thread at _WARPS warps
 _WARPS = 4
+# a backward program's units, so that its partial sums have at most this many rows: few enough for the programs that
+# sum them inside a later launch (`_sum_partials`, tiles of _SUM_ROWS x _SUM_COLUMNS), enough programs for a GPU
+_PARTIAL_ROWS = 1024
+_SUM_ROWS, _SUM_COLUMNS = 64, 32
 
 
 @triton.jit
@@ -121,16 +125,32 @@ def _window_sum(map_ptr, n, group, oh, ow, smn, smg, smh, smw, MH, MW, SH, SW, P
     return acc
 
 
+@triton.jit
+def _sum_partials(part_ptr, sums_ptr, block, C, R, COLUMNS, BR: tl.constexpr, BCOL: tl.constexpr):
+    """`sums[k, c] = sum_r part[k, r, c]` for `BCOL` of the `COLUMNS = K * C` columns `(k, c)` from `block * BCOL`,
+    `part` a contiguous `(K, R, C)` float32 tensor (fewer than 2^31 elements), in a fixed order."""
+    column = block * BCOL + tl.arange(0, BCOL)
+    column_mask = column < COLUMNS
+    first = (column // C) * R * C + column % C
+    acc = tl.zeros([BR, BCOL], tl.float32)
+    for r0 in range(0, R, BR):
+        r = r0 + tl.arange(0, BR)
+        mask = (r < R)[:, None] & column_mask[None, :]
+        acc += tl.load(part_ptr + (first[None, :] + r[:, None] * C), mask=mask, other=0.)
+    tl.store(sums_ptr + column, tl.sum(acc, axis=0), mask=column_mask)
+
+
 @triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB', 'smn', 'smg', 'smh', 'MH', 'MW', 'SH', 'SW', 'PH', 'PW', 'DH',
-                               'DW'])
+                               'DW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
 def _scale_kernel(
         y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
         out_ptr, son, soc, soh, sow, m_out_ptr, C, P, W, CPG, G, NPB, alpha,
         smn, smg, smh, smw, MH, MW, SH, SW, PH, PW, DH, DW, box_scale, box_offset,
+        part_ptr, sums_ptr, PC, R, COLUMNS, SUM_PROGRAMS,
         BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
         HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
         I64: tl.constexpr, BOX: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SQUARE: tl.constexpr,
-        STORE_M: tl.constexpr):
+        STORE_M: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BCOL: tl.constexpr):
     """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m'[n, c // CPG, p] + pb[c])`, `m' = rsqrt(m)` (`RSQRT`)
     or `m`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three).
 
@@ -139,8 +159,16 @@ def _scale_kernel(
     convolution's input): `box_scale * sum + box_offset` over each output position's window (`BOX` 1, `b` at the
     convolution's input positions), or the adjoint's sum (`BOX` 2, `b` at its output positions). `STORE_M`: `m` is
     stored at `y`'s positions too, once per group, into the contiguous `(N, G, H, W)` `m_out`.
+
+    `SUM`: the first `SUM_PROGRAMS` rows of programs sum partials of another kernel over their `R` rows instead
+    (`_sum_partials`, `PC` channels), so the sum costs no launch of its own.
     """
     pid = tl.program_id(0)
+    if SUM:
+        if pid < SUM_PROGRAMS:
+            _sum_partials(part_ptr, sums_ptr, pid * tl.num_programs(1) + tl.program_id(1), PC, R, COLUMNS, BR, BCOL)
+            return
+        pid -= SUM_PROGRAMS
     n = pid // NPB
     p = (pid % NPB) * BP + tl.arange(0, BP)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -176,14 +204,18 @@ def _scale_kernel(
 
 
 @triton.jit
-def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask,
-                         mask, r, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
-                         ACT: tl.constexpr):
-    """ `(ga, ga gain y, ga y r, ga gain r)` of one tile, `y` with its bias, `dL/dy = ga gain r` stored; `r`
-    broadcasts over the tile.
+def _scale_backward_tile(g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, gy_ptr, son, soc, soh, sow, bias_ptr,
+                         gain_ptr, pb_ptr, n, p, c, c_mask, mask, r, W, HAS_BIAS: tl.constexpr,
+                         HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr,
+                         SAME: tl.constexpr, I64: tl.constexpr):
+    """ `(ga gain y, sums over the positions of ga, ga y r and dL/dy)` of the tile of positions `p` and channels `c`
+    of sample `n`, `y` with its bias, `dL/dy = ga gain r` stored; `r` broadcasts over the tile.
 
     `ga = g act'(gain y r + pb)` is the gradient of the pre-activation: its sum is dL/dpb, its sum times `y r`
     dL/dgain, and the sum of dL/dy dL/dbias."""
+    g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
+    y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
+    o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
     g = tl.load(g_ptr + g_offsets, mask=mask, other=0.).to(tl.float32)
     y = tl.load(y_ptr + y_offsets, mask=mask, other=0.).to(tl.float32)
     if HAS_BIAS:
@@ -200,25 +232,35 @@ def _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_off
     g_lin = g * gain if HAS_GAIN else g
     gy = g_lin * r
     tl.store(gy_ptr + o_offsets, gy.to(gy_ptr.dtype.element_ty), mask=mask)
-    return g, g_lin * y, g * y * r, gy
+    return g_lin * y, tl.sum(g, axis=0), tl.sum(g * y * r, axis=0), tl.sum(gy, axis=0)
 
 
 @triton.jit
-def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, g, gyr, dy, WRITE_PB: tl.constexpr,
+def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB: tl.constexpr,
                     WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr):
     """The program's sums over its positions of `g`, `gyr` and `dy`, those asked for, at `index` of each row."""
     if WRITE_PB:
-        tl.store(pbp_ptr + index, tl.sum(g, axis=0), mask=c_mask)
+        tl.store(pbp_ptr + index, sum_g, mask=c_mask)
     if WRITE_GAIN:
-        tl.store(gp_ptr + index, tl.sum(gyr, axis=0), mask=c_mask)
+        tl.store(gp_ptr + index, sum_gyr, mask=c_mask)
     if WRITE_BIAS:
-        tl.store(bp_ptr + index, tl.sum(dy, axis=0), mask=c_mask)
+        tl.store(bp_ptr + index, sum_dy, mask=c_mask)
 
 
-@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB'])
+@triton.jit
+def _unit_positions(pid, s, S, UNITS, NPB, P, BP: tl.constexpr):
+    """`(n, p, p_mask)`: the sample and positions of the program's `s`-th unit, a block of `BP` positions of one
+    sample; the program walks units `pid * S` to `pid * S + S - 1` of the `UNITS = N * NPB`."""
+    unit = pid * S + s
+    n = unit // NPB
+    p = (unit % NPB) * BP + tl.arange(0, BP)
+    return n, p, (p < P) & (unit < UNITS)
+
+
+@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB', 'UNITS', 'S'])
 def _scale_backward_kernel(
         g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr,
-        gy_ptr, son, soc, soh, sow, t_ptr, pbp_ptr, gp_ptr, bp_ptr, C, P, W, CPG, G, NPB,
+        gy_ptr, son, soc, soh, sow, t_ptr, pbp_ptr, gp_ptr, bp_ptr, C, P, W, CPG, G, NPB, UNITS, S,
         BP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
         ACT: tl.constexpr, WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr,
         GROUPED: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr, I64: tl.constexpr):
@@ -229,44 +271,57 @@ def _scale_backward_kernel(
         pbp, gp, bp[program, c] = sums over the program's positions of ga, ga y r and dL/dy
                                   (summed over programs: dL/dpb, dL/dgain and dL/dbias)
 
+    A program walks `S` units of `BP` positions (`_unit_positions`), so the partial sums have one row a program.
     `SAME`: `y` and `dL/dy` have `g`'s strides, and one tile of offsets serves the three.
     """
     pid = tl.program_id(0)
-    n = pid // NPB
-    p = (pid % NPB) * BP + tl.arange(0, BP)
-    p_mask = p < P
     if GROUPED:
         grp = tl.program_id(1)
-        map_index = _map_index(n, G, grp, P, p, I64)
-        r = tl.rsqrt(tl.load(b_ptr + map_index, mask=p_mask, other=1.))
-        acc = tl.zeros([BP], tl.float32)
         for c0 in range(0, CPG, BC):
             local = c0 + tl.arange(0, BC)
             c = grp * CPG + local
             c_mask = local < CPG
-            mask = p_mask[:, None] & c_mask[None, :]
-            g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
-            y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
-            o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
-            g, gy, gyr, dy = _scale_backward_tile(
-                g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets, o_offsets, c, c_mask, mask,
-                r[:, None], HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
-            acc += tl.sum(gy, axis=1)
-            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
-        tl.store(t_ptr + map_index, acc * r * r * r, mask=p_mask)
+            sum_g = tl.zeros([BC], tl.float32)
+            sum_gyr = tl.zeros([BC], tl.float32)
+            sum_dy = tl.zeros([BC], tl.float32)
+            for s in range(S):
+                n, p, p_mask = _unit_positions(pid, s, S, UNITS, NPB, P, BP)
+                map_index = _map_index(n, G, grp, P, p, I64)
+                r = tl.rsqrt(tl.load(b_ptr + map_index, mask=p_mask, other=1.))
+                gy, tile_g, tile_gyr, tile_dy = _scale_backward_tile(
+                    g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, gy_ptr, son, soc, soh, sow, bias_ptr,
+                    gain_ptr, pb_ptr, n, p, c, c_mask, p_mask[:, None] & c_mask[None, :], r[:, None], W, HAS_BIAS,
+                    HAS_GAIN, HAS_PB, ACT, FLAT, SAME, I64)
+                # the group's sum over its channel blocks accumulates in `t`, scaled by r^3 after the last block
+                acc = tl.sum(gy, axis=1) + tl.load(t_ptr + map_index, mask=p_mask & (c0 > 0), other=0.)
+                tl.store(t_ptr + map_index, tl.where(c0 + BC >= CPG, acc * r * r * r, acc), mask=p_mask)
+                sum_g += tile_g
+                sum_gyr += tile_gyr
+                sum_dy += tile_dy
+            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB,
+                            WRITE_GAIN, WRITE_BIAS)
+            # `t` as this block left it is read by other threads of the program in the next block
+            tl.debug_barrier()
     else:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         c_mask = c < C
-        mask = p_mask[:, None] & c_mask[None, :]
-        map_index = _map_index(n, C, c[None, :], P, p[:, None], I64)
-        r = tl.rsqrt(tl.load(b_ptr + map_index, mask=mask, other=1.))
-        g_offsets = _offsets(n, p, c, sgn, sgc, sgh, sgw, W, FLAT, I64)
-        y_offsets = g_offsets if SAME else _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
-        o_offsets = g_offsets if SAME else _offsets(n, p, c, son, soc, soh, sow, W, FLAT, I64)
-        g, gy, gyr, dy = _scale_backward_tile(g_ptr, y_ptr, gy_ptr, bias_ptr, gain_ptr, pb_ptr, g_offsets, y_offsets,
-                                              o_offsets, c, c_mask, mask, r, HAS_BIAS, HAS_GAIN, HAS_PB, ACT)
-        tl.store(t_ptr + map_index, gy * r * r * r, mask=mask)
-        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, g, gyr, dy, WRITE_PB, WRITE_GAIN, WRITE_BIAS)
+        sum_g = tl.zeros([BC], tl.float32)
+        sum_gyr = tl.zeros([BC], tl.float32)
+        sum_dy = tl.zeros([BC], tl.float32)
+        for s in range(S):
+            n, p, p_mask = _unit_positions(pid, s, S, UNITS, NPB, P, BP)
+            mask = p_mask[:, None] & c_mask[None, :]
+            map_index = _map_index(n, C, c[None, :], P, p[:, None], I64)
+            r = tl.rsqrt(tl.load(b_ptr + map_index, mask=mask, other=1.))
+            gy, tile_g, tile_gyr, tile_dy = _scale_backward_tile(
+                g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, gy_ptr, son, soc, soh, sow, bias_ptr, gain_ptr,
+                pb_ptr, n, p, c, c_mask, mask, r, W, HAS_BIAS, HAS_GAIN, HAS_PB, ACT, FLAT, SAME, I64)
+            tl.store(t_ptr + map_index, gy * r * r * r, mask=mask)
+            sum_g += tile_g
+            sum_gyr += tile_gyr
+            sum_dy += tile_dy
+        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB, WRITE_GAIN,
+                        WRITE_BIAS)
 
 
 def _launch(kernel, grid, *args, **constexprs) -> None:
@@ -329,10 +384,13 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
-          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None) -> torch.Tensor:
+          bias: Optional[torch.Tensor] = None, box: Optional[BoxFilter] = None,
+          partials: Optional[torch.Tensor] = None, sums: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ `act(base + alpha * gain * (y + bias) * m' + post_bias)` per channel of a 4-D `y`, `m' = rsqrt(m)` (`rsqrt`)
     or `m`, `m` with one channel per group, box-filtered first where `box` is given (and stored into `box.out`);
-    into `out` (default: a new tensor in `y`'s layout and dtype)."""
+    into `out` (default: a new tensor in `y`'s layout and dtype).
+
+    `partials`: `scale_backward`'s, summed over their dim 1 into `sums` (K, C) in the same launch."""
     n, c, h, w = y.shape
     if out is None:
         out = torch.empty_like(y)
@@ -350,14 +408,23 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
         box_args = (*m.stride(), *m.shape[2:], *box.stride, *box.padding, *box.dilation, 1. / box.divisor,
                     box.offset)
         box_kind, (kh, kw), m_out = 2 if box.adjoint else 1, box.kernel_size, box.out
+    grid = [n * npb, triton.cdiv(c, bc)]
+    if partials is None:
+        sum_args = (m, m, 0, 0, 0, 0)
+    else:
+        k, rows, channels = partials.shape
+        sum_programs = triton.cdiv(triton.cdiv(k * channels, _SUM_COLUMNS), grid[1])
+        grid[0] += sum_programs
+        sum_args = (partials, sums, channels, rows, k * channels, sum_programs)
     _launch(
-        _scale_kernel, (n * npb, triton.cdiv(c, bc)),
+        _scale_kernel, tuple(grid),
         y, *y.stride(), m, _or(bias, m), _or(gain, m), _or(post_bias, m), *base_args, out, *out.stride(),
-        _or(m_out, m), c, p, w, c // groups, groups, npb, alpha, *box_args,
+        _or(m_out, m), c, p, w, c // groups, groups, npb, alpha, *box_args, *sum_args,
         BP=bp, BC=bc, RSQRT=rsqrt, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None,
         HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
         FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), BOX=box_kind, KH=kh, KW=kw,
-        SQUARE=box is not None and box.squares, STORE_M=m_out is not None, num_warps=_WARPS)
+        SQUARE=box is not None and box.squares, STORE_M=m_out is not None, SUM=partials is not None,
+        BR=_SUM_ROWS, BCOL=_SUM_COLUMNS, num_warps=_WARPS)
     return out
 
 
@@ -365,23 +432,27 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
                    act: str, post_bias_grad: bool, grad_y: Optional[torch.Tensor] = None,
                    gain: Optional[torch.Tensor] = None, gain_grad: bool = False, bias: Optional[torch.Tensor] = None,
                    bias_grad: bool = False):
-    """ `(dL/dy, t, affine)` for `out = act(gain (y + bias) rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
-    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, `affine` the rows
-    dL/dpost_bias, dL/dgain and dL/dbias (those asked for, in this order) of one float32 matrix, or None."""
+    """ `(dL/dy, t, partials)` for `out = act(gain (y + bias) rsqrt(b) + post_bias)` (see `_scale_backward_kernel`);
+    `t` is (N, G, H, W) float32, dL/dy (into `grad_y` if given) in `y`'s layout and dtype, `partials` a float32
+    (K, R, C) tensor whose sum over dim 1 has the rows dL/dpost_bias, dL/dgain and dL/dbias (those asked for, in this
+    order; `scale` sums them in its launch), or None."""
     n, c, h, w = y.shape
     b = b.contiguous()
     groups, p = b.shape[1], h * w
     cpg = c // groups
     grouped = cpg > 1
     same = _same(grad, y, grad_y if grad_y is not None else y)
-    # three tiles of offsets where the layouts differ: half the elements keep a thread's registers within 96
-    bp, bc = _tiles(cpg if grouped else c, p, y, _TILE if same else _TILE // 2)
+    # the tile's three column sums carried over the program's units: half a tile keeps a thread's registers within
+    # 96, a quarter where the layouts differ (three tiles of offsets)
+    bp, bc = _tiles(cpg if grouped else c, p, y, _TILE // 2 if same else _TILE // 4)
     npb = triton.cdiv(p, bp)
-    grid = (n * npb, groups if grouped else triton.cdiv(c, bc))
+    units = n * npb
+    units_per_program = triton.cdiv(units, _PARTIAL_ROWS)
+    grid = (triton.cdiv(units, units_per_program), groups if grouped else triton.cdiv(c, bc))
     if grad_y is None:
         grad_y = torch.empty_like(y)
     t = torch.empty_like(b)
-    # the programs' partial sums of the parameters' gradients, reduced in one launch
+    # the programs' partial sums of the parameters' gradients
     asked = (post_bias_grad, gain_grad, bias_grad)
     partials = torch.empty((sum(asked), grid[0], c), device=y.device, dtype=torch.float32)
     rows = iter(partials)
@@ -389,9 +460,10 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
     _launch(
         _scale_backward_kernel, grid,
         grad, *grad.stride(), y, *y.stride(), b, _or(bias, b), _or(gain, b), _or(post_bias, b),
-        grad_y, *grad_y.stride(), t, post_bias_part, gain_part, bias_part, c, p, w, cpg, groups, npb,
+        grad_y, *grad_y.stride(), t, post_bias_part, gain_part, bias_part, c, p, w, cpg, groups, npb, units,
+        units_per_program,
         BP=bp, BC=bc, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None,
         ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, WRITE_BIAS=bias_grad, GROUPED=grouped,
         FLAT=_flat(grad, y, grad_y), SAME=same, I64=_i64(grad, y, grad_y, b, partials),
         num_warps=_WARPS)
-    return grad_y, t, partials.sum(1) if any(asked) else None
+    return grad_y, t, partials if any(asked) else None

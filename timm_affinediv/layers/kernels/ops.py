@@ -101,16 +101,28 @@ def _conv_output(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], g
     return kernels.scale(y, q, post_bias, act, gain=gain, bias=bias, box=box), b
 
 
+def _sums(partials: Optional[Tensor]) -> Optional[Tensor]:
+    """The (K, C) tensor that `scale_backward`'s (K, R, C) partial sums are summed into, or None."""
+    return None if partials is None else partials.new_empty((partials.shape[0], partials.shape[2]))
+
+
+def _summed_alone(partials: Optional[Tensor]) -> Optional[Tensor]:
+    """`partials` summed over dim 1 in a launch of their own, where no `dx` pass follows to sum them."""
+    return None if partials is None else partials.sum(1)
+
+
 def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
-                   padding: List[int], dilation: List[int], c: int) -> None:
-    """`grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions."""
-    kernels = _kernels()
+                   padding: List[int], dilation: List[int], c: int, partials: Optional[Tensor]) -> Optional[Tensor]:
+    """ `grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions. Returns
+    `partials` summed over dim 1, in the same launch (None without them)."""
+    kernels, sums = _kernels(), _sums(partials)
     if _pointwise(kernel_size, padding):
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
-        kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
-        return
+        kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, partials=partials, sums=sums)
+        return sums
     kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x,
-                  box=_box(kernel_size, stride, padding, dilation, adjoint=True))
+                  box=_box(kernel_size, stride, padding, dilation, adjoint=True), partials=partials, sums=sums)
+    return sums
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
@@ -151,16 +163,19 @@ def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor
                               padding: List[int], dilation: List[int], groups: int, c: int, act: str,
                               output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
     """ `(dL/dx, dL/dweight, affine)`, empty where `output_mask` (x, weight, bias, gain, post_bias) is False;
-    `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for; one reduction gives them)."""
+    `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for), summed in the `dx` pass's
+    launch."""
     needs_x, needs_weight, *needs_affine = output_mask
     needs_bias, needs_gain, needs_post_bias = (
         needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
-    grad_y, t, affine = _kernels().scale_backward(
+    grad_y, t, partials = _kernels().scale_backward(
         grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
         grad_y, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [needs_x, needs_weight, False])
     if needs_x:
-        _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c)
+        affine = _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c, partials)
+    else:
+        affine = _summed_alone(partials)
     return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
             _unused(x) if affine is None else affine)
 
@@ -240,13 +255,16 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
     needs_bias, needs_gain, needs_post_bias = (
         needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
     grad_y = torch.empty_like(y)
-    _, t, affine = kernels.scale_backward(
+    _, t, partials = kernels.scale_backward(
         _as_maps(grad), _as_maps(y), b, post_bias, 'none', needs_post_bias, grad_y=_as_maps(grad_y), gain=gain,
         gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x = _unused(x)
     if needs_x:
-        grad_x = grad_y @ weight
-        kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x))
+        grad_x, affine = grad_y @ weight, _sums(partials)
+        kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x),
+                      partials=partials, sums=affine)
+    else:
+        affine = _summed_alone(partials)
     return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
 
 
