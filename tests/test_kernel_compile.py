@@ -39,6 +39,10 @@ def test_every_train_step_kernel_compiles_for_sm80_and_sm90a_within_128_register
     assert {r['constants'].get('FLAT') for r in rows} == {True, False}
     assert {'*bf16', '*fp32'} <= {t for r in rows for t in r['pointers']}
     assert {r['constants'].get('GROUPED') for r in rows if r['kernel'] != '_scale_kernel'} == {True, False}
+    # a grouped backward carries `t` over its channel blocks (channels-last), or its partial sums over its blocks of
+    # positions (NCHW)
+    assert {r['constants']['UNITS_OUTER'] for r in rows
+            if r['kernel'] == '_scale_backward_kernel' and r['constants']['GROUPED']} == {True, False}
     # the output passes with the box filter inside: none, a k x k map's (of channel sums, of a depthwise input's
     # squares), and its adjoint
     scale = [r['constants'] for r in rows if r['kernel'] == '_scale_kernel']

@@ -314,16 +314,19 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
 
 
 @needs_interpreter
+@pytest.mark.parametrize('tile', [(2, 4), (4, 2)], ids=['channel-blocks-outer', 'units-outer'])
 @pytest.mark.parametrize('groups', [1, 2, 12], ids=['one-group', 'grouped', 'per-channel'])
 @pytest.mark.parametrize('channels_last', [False, True], ids=['nchw', 'channels_last'])
-def test_backward_partial_sums_over_units_and_channel_blocks(groups, channels_last, monkeypatch):
+def test_backward_partial_sums_over_units_and_channel_blocks(groups, channels_last, tile, monkeypatch):
     """The backward's programs each walk several blocks of positions (and of a group's channels), keeping one row of
-    partial sums a program and accumulating `t` over the channel blocks; the `dx` pass sums the partials in its
-    launch: dL/dy, `t`, the `dx` update and the parameters' gradients equal the torch twins', with tiles, programs
-    and summing tiles shrunk so that every loop runs several times with a ragged end."""
+    partial sums a program and carrying `t` over the channel blocks (or the partial sums over the blocks of
+    positions, for tiles of more positions than channels); the `dx` pass sums the partials in its launch: dL/dy,
+    `t`, the `dx` update and the parameters' gradients equal the torch twins', with tiles, programs and summing
+    tiles shrunk so that every loop runs several times with a ragged end."""
     from timm_affinediv.layers.kernels import _torch, _triton
-    # tiles of 2 positions x 4 channels; 54 units of positions, walked by 5 programs of 11 (the last of 10)
-    monkeypatch.setattr(_triton, '_tiles', lambda *args, **kwargs: (2, 4))
+    # 2 x 4 tiles: 54 units of positions, walked by 5 programs of 11 (the last of 10);
+    # 4 x 2 tiles: 27 units, by 5 programs of 6 (the last of 3)
+    monkeypatch.setattr(_triton, '_tiles', lambda *args, **kwargs: tile)
     monkeypatch.setattr(_triton, '_PARTIAL_ROWS', 5)
     monkeypatch.setattr(_triton, '_SUM_ROWS', 2)
     monkeypatch.setattr(_triton, '_SUM_COLUMNS', 4)

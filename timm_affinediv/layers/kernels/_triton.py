@@ -236,15 +236,21 @@ def _scale_backward_tile(g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, g
 
 
 @triton.jit
-def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB: tl.constexpr,
-                    WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr):
-    """The program's sums over its positions of `g`, `gyr` and `dy`, those asked for, at `index` of each row."""
+def _add_partial(ptr, index, c_mask, value, accumulate):
+    tl.store(ptr + index, value + tl.load(ptr + index, mask=c_mask & accumulate, other=0.), mask=c_mask)
+
+
+@triton.jit
+def _store_partials(pbp_ptr, gp_ptr, bp_ptr, index, c_mask, sum_g, sum_gyr, sum_dy, accumulate,
+                    WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr):
+    """The program's sums over its positions of `g`, `gyr` and `dy`, those asked for, at `index` of each row, added
+    to what is there where `accumulate`."""
     if WRITE_PB:
-        tl.store(pbp_ptr + index, sum_g, mask=c_mask)
+        _add_partial(pbp_ptr, index, c_mask, sum_g, accumulate)
     if WRITE_GAIN:
-        tl.store(gp_ptr + index, sum_gyr, mask=c_mask)
+        _add_partial(gp_ptr, index, c_mask, sum_gyr, accumulate)
     if WRITE_BIAS:
-        tl.store(bp_ptr + index, sum_dy, mask=c_mask)
+        _add_partial(bp_ptr, index, c_mask, sum_dy, accumulate)
 
 
 @triton.jit
@@ -263,7 +269,8 @@ def _scale_backward_kernel(
         gy_ptr, son, soc, soh, sow, t_ptr, pbp_ptr, gp_ptr, bp_ptr, C, P, W, CPG, G, NPB, UNITS, S,
         BP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_PB: tl.constexpr,
         ACT: tl.constexpr, WRITE_PB: tl.constexpr, WRITE_GAIN: tl.constexpr, WRITE_BIAS: tl.constexpr,
-        GROUPED: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr, I64: tl.constexpr):
+        GROUPED: tl.constexpr, UNITS_OUTER: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
+        I64: tl.constexpr):
     """ The output pass's backward, `out = act(gain (y + bias) r + pb)`, `r = rsqrt(b)`, given `g = dL/dout`
     (`y` below with its bias):
 
@@ -272,10 +279,33 @@ def _scale_backward_kernel(
                                   (summed over programs: dL/dpb, dL/dgain and dL/dbias)
 
     A program walks `S` units of `BP` positions (`_unit_positions`), so the partial sums have one row a program.
+    Where a group has several blocks of channels, one of the two sums is carried in memory across them: `t` over the
+    blocks of channels (the blocks outer), or (`UNITS_OUTER`, for tiles of many positions and few channels) the
+    partial sums over the units; a barrier separates the rounds, as other threads of the program read them.
     `SAME`: `y` and `dL/dy` have `g`'s strides, and one tile of offsets serves the three.
     """
     pid = tl.program_id(0)
-    if GROUPED:
+    if GROUPED and UNITS_OUTER:
+        grp = tl.program_id(1)
+        for s in range(S):
+            n, p, p_mask = _unit_positions(pid, s, S, UNITS, NPB, P, BP)
+            map_index = _map_index(n, G, grp, P, p, I64)
+            r = tl.rsqrt(tl.load(b_ptr + map_index, mask=p_mask, other=1.))
+            acc = tl.zeros([BP], tl.float32)
+            for c0 in range(0, CPG, BC):
+                local = c0 + tl.arange(0, BC)
+                c = grp * CPG + local
+                c_mask = local < CPG
+                gy, tile_g, tile_gyr, tile_dy = _scale_backward_tile(
+                    g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, gy_ptr, son, soc, soh, sow, bias_ptr,
+                    gain_ptr, pb_ptr, n, p, c, c_mask, p_mask[:, None] & c_mask[None, :], r[:, None], W, HAS_BIAS,
+                    HAS_GAIN, HAS_PB, ACT, FLAT, SAME, I64)
+                acc += tl.sum(gy, axis=1)
+                _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, tile_g, tile_gyr, tile_dy, s > 0,
+                                WRITE_PB, WRITE_GAIN, WRITE_BIAS)
+            tl.store(t_ptr + map_index, acc * r * r * r, mask=p_mask)
+            tl.debug_barrier()
+    elif GROUPED:
         grp = tl.program_id(1)
         for c0 in range(0, CPG, BC):
             local = c0 + tl.arange(0, BC)
@@ -292,15 +322,14 @@ def _scale_backward_kernel(
                     g_ptr, sgn, sgc, sgh, sgw, y_ptr, syn, syc, syh, syw, gy_ptr, son, soc, soh, sow, bias_ptr,
                     gain_ptr, pb_ptr, n, p, c, c_mask, p_mask[:, None] & c_mask[None, :], r[:, None], W, HAS_BIAS,
                     HAS_GAIN, HAS_PB, ACT, FLAT, SAME, I64)
-                # the group's sum over its channel blocks accumulates in `t`, scaled by r^3 after the last block
+                # `t` carried over the blocks of channels, scaled by r^3 after the last
                 acc = tl.sum(gy, axis=1) + tl.load(t_ptr + map_index, mask=p_mask & (c0 > 0), other=0.)
                 tl.store(t_ptr + map_index, tl.where(c0 + BC >= CPG, acc * r * r * r, acc), mask=p_mask)
                 sum_g += tile_g
                 sum_gyr += tile_gyr
                 sum_dy += tile_dy
-            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB,
+            _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, False, WRITE_PB,
                             WRITE_GAIN, WRITE_BIAS)
-            # `t` as this block left it is read by other threads of the program in the next block
             tl.debug_barrier()
     else:
         c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -320,8 +349,8 @@ def _scale_backward_kernel(
             sum_g += tile_g
             sum_gyr += tile_gyr
             sum_dy += tile_dy
-        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, WRITE_PB, WRITE_GAIN,
-                        WRITE_BIAS)
+        _store_partials(pbp_ptr, gp_ptr, bp_ptr, pid * C + c, c_mask, sum_g, sum_gyr, sum_dy, False, WRITE_PB,
+                        WRITE_GAIN, WRITE_BIAS)
 
 
 def _launch(kernel, grid, *args, **constexprs) -> None:
@@ -464,6 +493,6 @@ def scale_backward(grad: torch.Tensor, y: torch.Tensor, b: torch.Tensor, post_bi
         units_per_program,
         BP=bp, BC=bc, HAS_BIAS=bias is not None, HAS_GAIN=gain is not None, HAS_PB=post_bias is not None,
         ACT=ACTIVATIONS[act], WRITE_PB=post_bias_grad, WRITE_GAIN=gain_grad, WRITE_BIAS=bias_grad, GROUPED=grouped,
-        FLAT=_flat(grad, y, grad_y), SAME=same, I64=_i64(grad, y, grad_y, b, partials),
+        UNITS_OUTER=grouped and bp > bc, FLAT=_flat(grad, y, grad_y), SAME=same, I64=_i64(grad, y, grad_y, b, partials),
         num_warps=_WARPS)
     return grad_y, t, partials if any(asked) else None
