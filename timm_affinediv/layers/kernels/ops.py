@@ -101,11 +101,6 @@ def _conv_output(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], g
     return kernels.scale(y, q, post_bias, act, gain=gain, bias=bias, box=box), b
 
 
-def _sums(partials: Optional[Tensor]) -> Optional[Tensor]:
-    """The (K, C) tensor that `scale_backward`'s (K, R, C) partial sums are summed into, or None."""
-    return None if partials is None else partials.new_empty((partials.shape[0], partials.shape[2]))
-
-
 def _summed_alone(partials: Optional[Tensor]) -> Optional[Tensor]:
     """`partials` summed over dim 1 in a launch of their own, where no `dx` pass follows to sum them."""
     return None if partials is None else partials.sum(1)
@@ -114,14 +109,15 @@ def _summed_alone(partials: Optional[Tensor]) -> Optional[Tensor]:
 def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
                    padding: List[int], dilation: List[int], c: int, partials: Optional[Tensor]) -> Optional[Tensor]:
     """ `grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions. Returns
-    `partials` summed over dim 1, in the same launch (None without them)."""
-    kernels, sums = _kernels(), _sums(partials)
+    `partials` (`scale_backward`'s, K x R x C) summed over dim 1, in the same launch (None without them)."""
+    sums = None if partials is None else partials.new_empty((partials.shape[0], partials.shape[2]))
+    box = None
     if _pointwise(kernel_size, padding):
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
-        kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, partials=partials, sums=sums)
-        return sums
-    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x,
-                  box=_box(kernel_size, stride, padding, dilation, adjoint=True), partials=partials, sums=sums)
+    else:
+        box = _box(kernel_size, stride, padding, dilation, adjoint=True)
+    _kernels().scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials,
+                     sums=sums)
     return sums
 
 
@@ -219,6 +215,10 @@ def _backward_patchnorm(ctx, grad, _grad_y, _grad_b):
 patchnorm_conv2d.register_autograd(_backward_patchnorm, setup_context=_setup_patchnorm)
 
 
+# the geometry of rows as maps: a 1x1 map's kernel size, stride, padding and dilation
+_ROW_MAP = ([1, 1], [1, 1], [0, 0], [1, 1])
+
+
 def _as_maps(rows: Tensor) -> Tensor:
     """An (M, K) matrix as (M, K, 1, 1): the kernels' rows."""
     return rows[:, :, None, None]
@@ -260,9 +260,8 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
         gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x = _unused(x)
     if needs_x:
-        grad_x, affine = grad_y @ weight, _sums(partials)
-        kernels.scale(_as_maps(x), t, alpha=-1. / c, rsqrt=False, base=_as_maps(grad_x), out=_as_maps(grad_x),
-                      partials=partials, sums=affine)
+        grad_x = grad_y @ weight
+        affine = _add_norm_grad(_as_maps(grad_x), _as_maps(x), t, *_ROW_MAP, c, partials)
     else:
         affine = _summed_alone(partials)
     return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
