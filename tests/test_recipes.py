@@ -124,13 +124,6 @@ def test_layer_decay_gives_per_layer_lr_scales(tmp_path, sched):
         assert g['lr'] == pytest.approx(lr * g['lr_scale'])
 
 
-def test_channels_last(tmp_path):
-    trainer = Trainer(recipe(tmp_path, channels_last=True))
-    assert trainer.model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
-    trainer.fit()
-    assert trainer.model.layer1[0].conv1.weight.is_contiguous(memory_format=torch.channels_last)
-
-
 def test_torchcompile_trains_and_checkpoints_uncompiled_names(tmp_path):
     trainer = Trainer(recipe(tmp_path, torchcompile='aot_eager'))
     assert trainer.train_model is not trainer.model

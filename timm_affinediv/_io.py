@@ -8,9 +8,12 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Mapping, Union
 
-__all__ = ['atomic_write', 'atomic_dir']
+import torch
+from safetensors.torch import save_file
+
+__all__ = ['atomic_write', 'atomic_dir', 'save_safetensors']
 
 PathLike = Union[str, os.PathLike]
 
@@ -45,6 +48,17 @@ def atomic_write(path: PathLike, content: Union[bytes, str, Callable[[str], None
     finally:
         if tmp.exists():
             _remove(tmp)
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: PathLike) -> None:
+    """ Write `tensors` (a state dict) to the safetensors file `path` atomically, as contiguous CPU copies.
+
+    safetensors stores one memory layout and refuses any other, so the weights of a channels-last model
+    (`model.to(memory_format=torch.channels_last)`, `--channels-last`) are written in the standard one; loading
+    them into a model of either layout gives the same values.
+    """
+    contiguous = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(contiguous, tmp))
 
 
 @contextmanager

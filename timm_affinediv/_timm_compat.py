@@ -15,6 +15,7 @@ import timm.layers.create_norm as _create_norm
 import timm.layers.create_norm_act as _create_norm_act
 import timm.models._builder as _builder
 import timm.models._factory as _factory
+import timm.models._hub as _hub
 import timm.models.convnext as _convnext
 from timm.layers.norm_act import _create_act
 from timm.models._input import get_model_args, get_model_input_config
@@ -25,7 +26,8 @@ from .errors import TimmVersionError
 __all__ = [
     'TESTED_TIMM', 'ALLOW_UNTESTED_ENV', 'check_timm_version', 'get_model_args', 'get_model_input_config',
     'create_act', 'NORM_MAP', 'NORM_TYPES', 'NORM_ACT_MAP', 'NORM_ACT_TYPES', 'NORM_ACT_REQUIRES_ARG',
-    'NORM_TO_NORM_ACT_MAP', 'CONVNEXT_NORM_MAP', 'wrap_init_model_traits', 'wrap_model_entrypoint']
+    'NORM_TO_NORM_ACT_MAP', 'CONVNEXT_NORM_MAP', 'save_config_for_hf', 'wrap_init_model_traits',
+    'wrap_model_entrypoint']
 
 
 #: `timm.layers.norm_act._create_act`: the activation of a norm+act layer, as timm's own norm-act layers build it.
@@ -39,6 +41,10 @@ NORM_ACT_TYPES: set = _create_norm_act._NORM_ACT_TYPES
 NORM_ACT_REQUIRES_ARG: set = _create_norm_act._NORM_ACT_REQUIRES_ARG
 NORM_TO_NORM_ACT_MAP: dict = _create_norm_act._NORM_TO_NORM_ACT_MAP
 CONVNEXT_NORM_MAP: dict = _convnext._NORM_MAP
+
+#: `timm.models._hub.save_config_for_hf`: the `config.json` half of timm's `save_for_hf`, whose weights half hands
+#: the state dict to safetensors as it is (which refuses a channels-last model's weights)
+save_config_for_hf: Callable = _hub.save_config_for_hf
 
 
 def wrap_init_model_traits(wrap: Callable[[Callable], Callable], marker: str) -> None:

@@ -1,8 +1,8 @@
 """Publish timm-affinediv models to the Hugging Face Hub and load them back through timm.
 
-A Hub folder holds ``model.safetensors``, timm's own ``config.json`` (written by timm's
-``save_for_hf``) and ``README.md``, the model card rendered from ``model_cards/``. After
-``import timm_affinediv`` it loads with ``timm.create_model("local-dir:DIR", pretrained=True)``
+A Hub folder holds ``model.safetensors`` (contiguous tensors, whatever the model's memory format), timm's own
+``config.json`` (written by timm's ``save_config_for_hf``) and ``README.md``, the model card rendered from
+``model_cards/``. After ``import timm_affinediv`` it loads with ``timm.create_model("local-dir:DIR", pretrained=True)``
 and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``.
 
 Loading without the plugin: timm looks the ``architecture`` of ``config.json`` up in its model
@@ -31,11 +31,11 @@ import torch
 from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardData, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
-from timm.models import model_entrypoint, register_model, save_for_hf
+from timm.models import model_entrypoint, register_model
 from torch import nn
 
-from ._io import atomic_dir
-from ._timm_compat import get_model_input_config
+from ._io import atomic_dir, save_safetensors
+from ._timm_compat import get_model_input_config, save_config_for_hf
 from .errors import HubError
 from .layers.binding import fake_eval
 
@@ -133,8 +133,9 @@ def save_hub_folder(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(output_dir) as tmp_dir:
         data_config = dict(data_config or _data_config(model))
-        save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True, data_config=data_config)
+        save_safetensors(model.state_dict(), tmp_dir / WEIGHTS_NAME)
         config_path = tmp_dir / CONFIG_NAME
+        save_config_for_hf(model, config_path, model_args=model_args, data_config=data_config)
         config = json.loads(config_path.read_text())
         for key in SOURCE_CFG_KEYS:
             config['pretrained_cfg'].pop(key, None)

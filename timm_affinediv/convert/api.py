@@ -242,7 +242,7 @@ def convert_model(
         **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
     Returns:
-        The converted model (in eval mode, on the device `model` was on) and the report.
+        The converted model (in eval mode, on the device and in the memory format of `model`) and the report.
     """
     start = time.perf_counter()
     was_training = model.training
@@ -278,9 +278,17 @@ def convert_model(
         finally:
             model.to(home)
         converted.to(home)
+    converted.to(memory_format=_memory_format(model))
     report.seconds = time.perf_counter() - start
     model.train(was_training)
     return converted, report
+
+
+def _memory_format(model: nn.Module) -> torch.memory_format:
+    """`torch.channels_last` where `model`'s convolution weights are in it (`model.to(memory_format=...)`)."""
+    channels_last = any(p.dim() == 4 and not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
+                        for p in model.parameters())
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 class _NormThenAct(nn.Module):

@@ -14,9 +14,7 @@ import numpy as np
 import timm
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
-from .._io import atomic_write
 from .._state_dict import describe_mismatch
 from ..errors import NormMismatchError
 from .config import CheckpointError, ConfigError
@@ -73,11 +71,6 @@ def resolve_checkpoint(path: str) -> str:
         return os.path.join(path, 'checkpoints', name)
     raise CheckpointError(f'no checkpoint at {path}: give a run output folder (with checkpoints/last.json) or a '
                           f'checkpoint folder (with {_STATE_FILE}).')
-
-
-def _save_safetensors(state_dict: Dict[str, torch.Tensor], path: str) -> None:
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp))
 
 
 def _rng_state() -> Dict[str, Any]:

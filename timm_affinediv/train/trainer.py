@@ -30,7 +30,7 @@ import timm
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, optimizer_kwargs
@@ -39,7 +39,7 @@ from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .._io import atomic_dir, atomic_write
+from .._io import atomic_dir, atomic_write, save_safetensors
 from ..data import (
     BatchNormalizer,
     create_eval_loader,
@@ -60,7 +60,6 @@ from .checkpoint import (
     _load_weights,
     _read_weights,
     _rng_state,
-    _save_safetensors,
     _set_rng_state,
     prune_checkpoints,
     resolve_checkpoint,
@@ -490,7 +489,7 @@ class Trainer:
                     raise TrainingInterrupted(self.last_checkpoint)
         weights_file = os.path.join(self.cfg.output, _MODEL_FILE)
         if self.is_primary:
-            _save_safetensors(self.final_model.state_dict(), weights_file)
+            save_safetensors(self.final_model.state_dict(), weights_file)
         self._barrier()
         return TrainResult(
             model=self.final_model, model_name=self.cfg.model, model_args=dict(self.model_args),
@@ -563,11 +562,9 @@ class Trainer:
         if self.is_primary:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             with atomic_dir(path) as tmp:
-                save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()},
-                          os.path.join(tmp, _MODEL_FILE))
+                save_safetensors(self.model.state_dict(), os.path.join(tmp, _MODEL_FILE))
                 if self.ema is not None:
-                    save_file({k: v.detach().contiguous().cpu() for k, v in self.ema.module.state_dict().items()},
-                              os.path.join(tmp, _EMA_FILE))
+                    save_safetensors(self.ema.module.state_dict(), os.path.join(tmp, _EMA_FILE))
                 torch.save(state, os.path.join(tmp, _STATE_FILE))
             pointer = json.dumps(dict(checkpoint=name, epoch=self.epoch, update_in_epoch=self.update_in_epoch))
             atomic_write(os.path.join(self.checkpoint_dir, 'last.json'), pointer)
