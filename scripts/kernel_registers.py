@@ -5,7 +5,9 @@ that train steps launch
 1. Record: one train step (forward, backward) of each patchnorm model, in bfloat16 autocast and in float32,
    channels-last and NCHW, runs under `FakeTensorMode`: shapes, strides and dtypes are a real step's, no arithmetic
    is done. The custom ops run their bodies, whose launchers record each launch's arguments (the results come from
-   the kernels' torch twins), so a 224 px step costs what its Python costs.
+   the kernels' torch twins), so a 224 px step costs what its Python costs. The kernels' self-check
+   (`layers/kernels/selfcheck.py`: what a GPU runs before their first use) is recorded the same way, at its GPU
+   sizes, in each dtype and layout.
 2. Specialise: Triton's own JIT binder turns each launch into the specialisation the GPU would compile (integer
    arguments equal to 1 become constants, integers divisible by 16 and 16-byte aligned pointers get attributes).
 3. Compile each distinct specialisation ahead of time with `triton.compile` for each target (`ptxas` from Triton's
@@ -50,7 +52,7 @@ def _describe(arg):
 
 def record(models: List[str], img_size: int) -> Dict[str, int]:
     """`{launch: count}` over one fake train step of each model, dtype and layout (see the module's docstring)."""
-    from timm_affinediv.layers.kernels import _torch, _triton, dispatch, ops, set_kernels
+    from timm_affinediv.layers.kernels import _torch, _triton, dispatch, ops, selfcheck, set_kernels
     launches = collections.Counter()
 
     def launch(kernel, grid, *args, **constexprs):
@@ -67,7 +69,7 @@ def record(models: List[str], img_size: int) -> Dict[str, int]:
     custom_ops = [getattr(ops, name) for name in ops.__all__]
     custom_ops += [getattr(ops, f'{name}_backward') for name in ops.__all__]
     saved = (_triton._launch, ops._kernels, dispatch._runs_kernels, [op._abstract_fn for op in custom_ops])
-    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, Recording, lambda device: True
+    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, lambda x: Recording(), lambda device: True
     for op in custom_ops:
         op._abstract_fn = op._init_fn  # under FakeTensorMode the ops run their bodies, not their shape functions
     mode = dispatch.kernels_mode()
@@ -87,6 +89,13 @@ def record(models: List[str], img_size: int) -> Dict[str, int]:
                         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                             out = model(x)
                         out.float().square().mean().backward()
+        for dtype in (torch.bfloat16, torch.float32):
+            for channels_last in (True, False):
+                with FakeTensorMode(allow_non_fake_inputs=True):
+                    cases = selfcheck.run_cases(Recording(), torch.device('cpu'), dtype, channels_last,
+                                                selfcheck.GPU_SIZES)
+                    for _ in cases:
+                        pass
     finally:
         _triton._launch, ops._kernels, dispatch._runs_kernels = saved[:3]
         for op, fn in zip(custom_ops, saved[3]):

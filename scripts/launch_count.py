@@ -93,7 +93,7 @@ def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.
             return run
 
     saved = _triton._launch, ops._kernels, dispatch._runs_kernels, dispatch.kernels_mode()
-    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, Counting, lambda device: True
+    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, lambda x: Counting(), lambda device: True
     set_kernels('triton')
     try:
         torch.manual_seed(0)

@@ -386,6 +386,81 @@ def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_trito
         _run(module, x, grad)
 
 
+def _wrong(launcher, how: str):
+    """A launcher that builds and launches but returns wrong values, as a race, a wrong mask or a compiler bug would on
+    a GPU the kernels were not tested on."""
+    def run(*args, **kwargs):
+        result = launcher(*args, **kwargs)
+        if how == 'last channel lost':  # a mask one channel short: the output pass leaves a channel unwritten
+            result[:, -1] = 0
+        elif how == 't off':
+            result[1].mul_(1.5)
+        else:  # a norm off by a constant
+            result.add_(1.)
+        return result
+    return run
+
+
+@needs_interpreter
+@pytest.mark.parametrize('launcher, how, step', [
+    ('scale', 'last channel lost', 'the output pass (_scale_kernel) of a 3x3 map'),
+    ('scale_backward', 't off', 'the backward pass (_scale_backward_kernel) of a 3x3 map'),
+    ('channel_sq_norm', 'norm off', 'the patch norms (_channel_sq_norm_kernel, _scale_kernel) of a 3x3 map'),
+], ids=['output-pass', 'backward', 'patch-norms'])
+def test_kernel_that_returns_wrong_values_is_caught_at_first_use(launcher, how, step, kernels, monkeypatch):
+    """The kernels' self-check at their first use on a device, dtype and layout catches a kernel that runs but
+    computes wrong values: under `auto` it warns once (the kernel, its error, TIMM_AFFINEDIV_KERNELS=torch) and the
+    layer computes torch's numbers, forward and backward; under `triton` it raises."""
+    from timm_affinediv.layers.kernels import _triton, dispatch
+    module = _fallback_layer('conv')
+    x = torch.randn(2, 4, 6, 5).to(memory_format=torch.channels_last)
+    grad = torch.randn_like(module(x))
+    kernels('torch')
+    want = _run(module, x, grad)
+    monkeypatch.setattr(_triton, launcher, _wrong(getattr(_triton, launcher), how))
+    monkeypatch.setattr(dispatch, '_runs_kernels', lambda device: True)  # the interpreted CPU stands in for a GPU
+    monkeypatch.setattr(dispatch, 'SELF_CHECKS', {})
+    kernels('auto')
+    with pytest.warns(RuntimeWarning) as warned:
+        got = [_run(module, x, grad) for _ in range(2)]
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    message = str(warned[0].message)
+    assert ('the Triton kernels failed their self-check on cpu (torch.float32, channels-last): ' + step) in message
+    assert 'from its torch twin' in message and 'TIMM_AFFINEDIV_KERNELS=torch' in message
+    assert dispatch.fell_back()
+    for step_results in got:
+        for g, w in zip(step_results, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    kernels('triton')
+    with pytest.raises(dispatch.KernelError, match='failed their self-check.*TIMM_AFFINEDIV_KERNELS=torch'):
+        _run(module, x, grad)
+
+
+@needs_interpreter
+def test_self_check_runs_once_per_device_dtype_and_layout_and_keeps_the_random_state(kernels, monkeypatch):
+    """Correct kernels pass their self-check, which runs once for each (device, dtype, layout) a process computes
+    on, and draws its inputs without touching the process's random numbers."""
+    from timm_affinediv.layers.kernels import _triton, dispatch
+    monkeypatch.setattr(dispatch, 'SELF_CHECKS', {})
+    calls = []
+    check = _triton.channel_sq_norm
+    monkeypatch.setattr(_triton, 'channel_sq_norm', lambda *a, **k: calls.append(1) or check(*a, **k))
+    kernels('triton')
+    module = _fallback_layer('linear')
+    x = torch.randn(3, 5)
+    torch.manual_seed(1)
+    for _ in range(2):
+        module(x)
+    after = torch.randn(1)
+    torch.manual_seed(1)
+    assert torch.equal(after, torch.randn(1))  # the two forward passes drew no random numbers
+    assert list(dispatch.SELF_CHECKS) == [('cpu', torch.float32, 'contiguous')]
+    assert dispatch.SELF_CHECKS[('cpu', torch.float32, 'contiguous')] is None
+    assert len(calls) == 4 + 2  # the check's five cases but the depthwise map's, then one launch each forward
+    module(x.to(torch.bfloat16))
+    assert set(dispatch.SELF_CHECKS) == {('cpu', torch.float32, 'contiguous'), ('cpu', torch.bfloat16, 'contiguous')}
+
+
 @needs_interpreter
 def test_export_paths_keep_portable_ops(kernels):
     """torch.jit.script and torch.export take torch's portable operations whatever the kernel mode."""

@@ -11,14 +11,17 @@ Read in one place, like timm's `set_fast_norm`/`is_fast_norm`: the environment v
 Float64 tensors and the export paths (`portable_ops()`: TorchScript, torch.export, ONNX) always take torch's
 operations.
 
-A kernel that fails to build or launch (a GPU, driver or Triton the kernels were not tested on) raises under
-`triton`; under `auto` it warns once and the process continues on torch's operations (`kernel_failed`): the custom
-ops, the failed one included, compute on torch twins of the kernels (`_torch`), so training goes on with the same
-numbers and every layer keeps the path it took (a fused slot's activation is applied once).
+A kernel that fails to build or launch (a GPU, driver or Triton the kernels were not tested on), or returns values
+that differ from its torch twin's in the self-check it runs before its first use on a device, dtype and layout
+(`selfcheck`), raises under `triton`; under `auto` it warns once and the process continues on torch's operations
+(`kernel_failed`): the custom ops, the failed one included, compute on torch twins of the kernels (`_torch`), so
+training goes on with the same numbers and every layer keeps the path it took (a fused slot's activation is applied
+once).
 """
 import importlib.util
 import os
 import warnings
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -49,6 +52,8 @@ def set_kernels(mode: str = 'auto') -> None:
                            "Triton) or `pip install triton`, or use 'auto'/'torch'")
     _MODE = mode
     _fall_back(None)
+    for key in [key for key, failure in SELF_CHECKS.items() if failure is not None]:
+        del SELF_CHECKS[key]  # a failed self-check runs again; passed ones hold
 
 
 def kernels_mode() -> str:
@@ -89,6 +94,10 @@ class KernelError(AffineDivError, RuntimeError):
 
 
 _FAILURE = None  # the KernelError that sent `auto` to torch's operations for this process
+
+#: the kernels' self-checks in this process (`selfcheck.verify`): (device, dtype, layout) -> None where they passed,
+#: else the KernelError that says how they failed
+SELF_CHECKS: Dict[Tuple[str, torch.dtype, str], Optional[KernelError]] = {}
 
 
 def _fall_back(failure) -> None:

@@ -29,11 +29,14 @@ from . import _torch, dispatch
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 
 
-def _kernels():
-    """The launchers: `_triton`'s, or their torch twins once a kernel has failed under `auto`."""
+def _kernels(x: Tensor):
+    """ The launchers: `_triton`'s, once they have passed their self-check on `x`'s device, dtype and memory layout
+    (`selfcheck.verify`, which raises `KernelError` where they do not), or their torch twins once a kernel has
+    failed under `auto`."""
     if dispatch.fell_back():
         return _torch
-    from . import _triton  # defines the kernels on first use, after TRITON_INTERPRET is set
+    from . import _triton, selfcheck  # defines the kernels on first use, after TRITON_INTERPRET is set
+    selfcheck.verify(x)
     return _triton
 
 
@@ -80,15 +83,14 @@ def _box(kernel_size: List[int], stride: List[int], padding: List[int], dilation
     return BoxFilter(tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), **options)
 
 
-def _conv_output(x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+def _conv_output(kernels, x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
                  post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int], groups: int,
                  c: int, offset: float, act: str) -> Tuple[Tensor, Tensor]:
     """ `(out, b)`: the output pass and `b = (|P_p|^2 + offset) / c` per group and output position, float32.
 
     A k x k map's box filter runs inside the output pass on the channel sums of `x^2` at the input positions (on
     `x` itself for a depthwise map), which stores `b` for the backward: no pooling, offset or fill launches of its
-    own."""
-    kernels = _kernels()
+    own. `kernels`: the launchers (`_triton` or `_torch`)."""
     if _pointwise(weight.shape[2:], padding):
         # a 1x1 map reads only every stride-th position, and its box filter is the identity
         b = kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
@@ -106,17 +108,18 @@ def _summed_alone(partials: Optional[Tensor]) -> Optional[Tensor]:
     return None if partials is None else partials.sum(1)
 
 
-def _add_norm_grad(grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
+def _add_norm_grad(kernels, grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
                    padding: List[int], dilation: List[int], c: int, partials: Optional[Tensor]) -> Optional[Tensor]:
     """ `grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions. Returns
-    `partials` (`scale_backward`'s, K x R x C) summed over dim 1, in the same launch (None without them)."""
+    `partials` (`scale_backward`'s, K x R x C) summed over dim 1, in the same launch (None without them), by
+    `kernels` (`_triton` or `_torch`)."""
     sums = None if partials is None else partials.new_empty((partials.shape[0], partials.shape[2]))
     box = None
     if _pointwise(kernel_size, padding):
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
     else:
         box = _box(kernel_size, stride, padding, dilation, adjoint=True)
-    _kernels().scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials,
+    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials,
                      sums=sums)
     return sums
 
@@ -136,12 +139,14 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
     backward every step. `norm_map`: `b`, where the caller has it (another map of the same input with the same `c`
     and `offset`).
     """
+    kernels = _kernels(x)
     y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     if norm_map is None:
-        out, b = _conv_output(x, y, weight, bias, gain, post_bias, stride, padding, dilation, groups, c, offset, act)
+        out, b = _conv_output(kernels, x, y, weight, bias, gain, post_bias, stride, padding, dilation, groups, c,
+                              offset, act)
         return out, y, b
     b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
-    return _kernels().scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
+    return kernels.scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
 
 
 @patchnorm_conv2d.register_fake
@@ -161,15 +166,16 @@ def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor
     """ `(dL/dx, dL/dweight, affine)`, empty where `output_mask` (x, weight, bias, gain, post_bias) is False;
     `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for), summed in the `dx` pass's
     launch."""
+    kernels = _kernels(x)
     needs_x, needs_weight, *needs_affine = output_mask
     needs_bias, needs_gain, needs_post_bias = (
         needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
-    grad_y, t, partials = _kernels().scale_backward(
+    grad_y, t, partials = kernels.scale_backward(
         grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
         grad_y, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [needs_x, needs_weight, False])
     if needs_x:
-        affine = _add_norm_grad(grad_x, x, t, weight.shape[2:], stride, padding, dilation, c, partials)
+        affine = _add_norm_grad(kernels, grad_x, x, t, weight.shape[2:], stride, padding, dilation, c, partials)
     else:
         affine = _summed_alone(partials)
     return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
@@ -230,7 +236,7 @@ def affine_div_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: O
                       post_bias: Optional[Tensor], c: int, offset: float) -> Tuple[Tensor, Tensor, Tensor]:
     """ `(out, y, b)` for the rows of `x`: `out = gain (x W^T + bias) rsqrt(b) + post_bias`, `y = x W^T`,
     `b = (|x|^2 + offset) / c`; the bias and the affine in the output pass, as `patchnorm_conv2d`'s."""
-    kernels = _kernels()
+    kernels = _kernels(x)
     y = F.linear(x, weight)
     b = kernels.channel_sq_norm(_as_maps(x), 1, 1. / c, offset / c)
     out = torch.empty_like(y)
@@ -250,7 +256,7 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
                                gain: Optional[Tensor], post_bias: Optional[Tensor], c: int,
                                output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
     """`(dL/dx, dL/dweight, affine)` as `patchnorm_conv2d_backward`'s."""
-    kernels = _kernels()
+    kernels = _kernels(x)
     needs_x, needs_weight, *needs_affine = output_mask
     needs_bias, needs_gain, needs_post_bias = (
         needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
@@ -261,7 +267,7 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
     grad_x = _unused(x)
     if needs_x:
         grad_x = grad_y @ weight
-        affine = _add_norm_grad(_as_maps(grad_x), _as_maps(x), t, *_ROW_MAP, c, partials)
+        affine = _add_norm_grad(kernels, _as_maps(grad_x), _as_maps(x), t, *_ROW_MAP, c, partials)
     else:
         affine = _summed_alone(partials)
     return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
@@ -299,7 +305,7 @@ affine_div_linear.register_autograd(_backward_linear, setup_context=_setup_linea
 @_falls_back(_normaliser)
 def l2_normalise_channels(x: Tensor, c: int, eps: float) -> Tuple[Tensor, Tensor]:
     """`(x rsqrt(b), b)` over dim 1 of an (N, C, H, W) tensor, `b = |x|^2 / c + eps` (float32)."""
-    kernels = _kernels()
+    kernels = _kernels(x)
     b = kernels.channel_sq_norm(x, 1, 1. / c, eps)
     return kernels.scale(x, b), b
 
@@ -314,7 +320,7 @@ def _(x, c, eps):
 @_falls_back(lambda grad, x, *_: _normaliser(x))
 def l2_normalise_channels_backward(grad: Tensor, x: Tensor, b: Tensor, c: int) -> Tensor:
     """`dL/dx = g r - x t / c`, `t = r^3 <g, x>`."""
-    kernels = _kernels()
+    kernels = _kernels(x)
     grad_x, t = kernels.scale_backward(grad, x, b, None, 'none', False)[:2]
     return kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x)
 
