@@ -37,6 +37,7 @@ from torch import nn
 from ._io import atomic_dir
 from ._timm_compat import get_model_input_config
 from .errors import HubError
+from .labels import LABEL_KEYS, model_labels
 from .layers.binding import fake_eval
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
@@ -57,6 +58,8 @@ CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv')
 NORM_TAGS = ('patchnorm', 'affinediv')
 #: Placeholder repo id of a card written before the repo is known.
 REPO_PLACEHOLDER = 'YOUR-ORG/YOUR-MODEL'
+#: The most class names a card lists (ImageNet's 1000 are in config.json).
+CARD_CLASSES = 20
 #: The training curves, shown in the card when the folder has them (`extra_files`).
 PLOT_NAME = 'metrics.png'
 #: `pretrained_cfg` entries that describe the source checkpoint (ImageNet weights: their tag, paper, notes), not
@@ -67,24 +70,61 @@ _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
 
 
 @register_model
-def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | None = None, **kwargs: Any) -> nn.Module:
+def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | str | None = None, **kwargs: Any) -> nn.Module:
     """Build the architecture of a timm-affinediv Hub folder (see the module docstring).
 
-    timm calls this for ``hf-hub:`` and ``local-dir:`` folders written by ``save_hub_folder``;
-    the real architecture is ``pretrained_cfg['architecture']``.
+    timm calls this for ``hf-hub:`` and ``local-dir:`` folders written by ``save_hub_folder``; the
+    real architecture is ``pretrained_cfg['architecture']``. transformers' ``TimmWrapper`` creates
+    the folder's ``architecture`` by name instead (``timm.create_model(architecture, num_classes=...,
+    **model_args)``, its own code loading the weights): timm then passes the text after the first
+    ``.``, ``<arch> (<hint>)``, as ``pretrained_cfg``, and ``<arch>`` is built with timm's default
+    configuration for it.
     """
-    arch = (pretrained_cfg or {}).get('architecture')
-    if not arch:
-        raise ValueError(
-            f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
-            " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
-            " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
-        )
-    return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+    if isinstance(pretrained_cfg, str):
+        arch = _folder_architecture(pretrained_cfg)
+        if arch and not pretrained:
+            model = model_entrypoint(arch)(pretrained=False, **kwargs)
+            if kwargs.get('in_chans') == 1:
+                _read_rgb_as_gray(model)
+            return model
+    elif pretrained_cfg:
+        arch = pretrained_cfg.get('architecture')
+        if arch:
+            return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+    raise ValueError(
+        f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
+        " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
+        " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
+    )
 
 
 def _hub_architecture(arch: str) -> str:
     return f'{HUB_ARCH}.{arch} ({PLUGIN_HINT})'
+
+
+def _read_rgb_as_gray(model: nn.Module) -> None:
+    """Let a 1-channel model built for transformers take the RGB images its pipelines make of every image
+    (``transformers.image_utils.load_image``): its first convolution reads 3-channel input as its luma, with PIL's
+    ``convert('L')`` weights (ITU-R 601-2), ``Y = 0.299 R + 0.587 G + 0.114 B``. 1-channel input passes unchanged."""
+    first_conv = model.pretrained_cfg.get('first_conv')
+    first_conv = first_conv[0] if isinstance(first_conv, (list, tuple)) else first_conv
+    if first_conv:
+        model.get_submodule(first_conv).register_forward_pre_hook(_luma_of_rgb)
+
+
+def _luma_of_rgb(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if x.dim() != 4 or x.shape[1] != 3:
+        return None
+    r, g, b = x.unbind(1)
+    # Y = R + 0.587 (G - R) + 0.114 (B - R): the same weights, and exactly R where R = G = B (a grayscale image)
+    return ((r + 0.587 * (g - r) + 0.114 * (b - r)).unsqueeze(1), *args[1:])
+
+
+def _folder_architecture(tag: str) -> str | None:
+    """``<arch>`` of the tag ``<arch> (<hint>)`` of a folder's ``architecture``, None for any other tag."""
+    arch, hint, rest = tag.partition(f' ({PLUGIN_HINT})')
+    return arch if hint and not rest and timm.is_model(arch) else None
 
 
 def save_hub_folder(
@@ -133,10 +173,15 @@ def save_hub_folder(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(output_dir) as tmp_dir:
         data_config = dict(data_config or _data_config(model))
-        save_for_hf(model, tmp_dir, model_args=model_args, safe_serialization=True, data_config=data_config)
+        labels = model_labels(model)
+        save_for_hf(model, tmp_dir, model_config=labels, model_args=model_args, safe_serialization=True,
+                    data_config=data_config)
         config_path = tmp_dir / CONFIG_NAME
         config = json.loads(config_path.read_text())
-        for key in SOURCE_CFG_KEYS:
+        # the top-level entries are those both loaders read: the class count (transformers passes its own
+        # num_classes beside model_args) and the class names
+        config['model_args'].pop('num_classes', None)
+        for key in (*SOURCE_CFG_KEYS, *LABEL_KEYS):
             config['pretrained_cfg'].pop(key, None)
         config['pretrained_cfg']['pool_size'] = _pool_size(model, config['pretrained_cfg']['input_size'])
         arch = config['architecture']
@@ -294,8 +339,27 @@ def render_model_card(
         results=results or '| not measured | | |',
         plot=f'\n![Training curves: loss and top-1 per epoch]({plot})\n' if plot else '',
         plugin_hint=PLUGIN_HINT,
+        classes=_classes_text(config),
     )
     return ModelCard(f'---\n{data.to_yaml()}\n---\n{body}', ignore_metadata_errors=False)
+
+
+def _classes_text(config: Mapping[str, Any]) -> str:
+    """The card's list of the classes: every name (with its description where the folder has one) up to
+    ``CARD_CLASSES``, the first ones beyond."""
+    names, descriptions = config.get('label_names'), config.get('label_descriptions') or {}
+    count = config['num_classes']
+    if not names:
+        return (f'{count} classes, not named: the dataset it was trained on names none, so the outputs are numbers '
+                f'(`LABEL_0` ... `LABEL_{count - 1}` in transformers).')
+    shown = [f'`{name}` ({descriptions[name]})' if name in descriptions else f'`{name}`'
+             for name in names[:CARD_CLASSES]]
+    rest = f', ... ({count} in all)' if count > CARD_CLASSES else ''
+    return (f'{count} classes, by output index (`label_names` in `config.json`, with their descriptions in '
+            f'`label_descriptions`; the labels of transformers\' pipeline): {", ".join(shown)}{rest}.'
+            if descriptions else
+            f'{count} classes, by output index (`label_names` in `config.json`; the labels of transformers\' '
+            f'pipeline): {", ".join(shown)}{rest}.')
 
 
 def _norm_description(norm_layer: str | None) -> str:
