@@ -362,10 +362,21 @@ def _corrupt_weights(folder: Path, tmp: Path) -> Path:
     return tmp
 
 
+def _num_classes_in_model_args(folder: Path, tmp: Path) -> Path:
+    """A folder as earlier versions wrote it: transformers passes num_classes beside model_args, and fails."""
+    for path in folder.iterdir():
+        (tmp / path.name).write_bytes(path.read_bytes())
+    config = json.loads((folder / 'config.json').read_text())
+    config['model_args']['num_classes'] = config['num_classes']
+    (tmp / 'config.json').write_text(json.dumps(config))
+    return tmp
+
+
 @pytest.mark.parametrize('make_folder, repo_id, wrong, to_do', [
     (_without_weights, REPO_ID, 'missing model.safetensors', 'Write one with timm_affinediv.hub.save_hub_folder'),
     (_corrupt_weights, REPO_ID, 'model.safetensors is not a readable safetensors file', 'save_hub_folder'),
     (_with_pickle, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
+    (_num_classes_in_model_args, REPO_ID, 'config.json has num_classes in model_args', 'write the folder again'),
     (_run_folder, REPO_ID, 'is not a Hub model folder: missing config.json, README.md', 'Push its Hub folder'),
     (lambda folder, tmp: folder, 'test-org/bad--name', "invalid repo id 'test-org/bad--name'", "Use 'org/name'"),
     (lambda folder, tmp: folder, 'a/b/c', "invalid repo id 'a/b/c'", "Use 'org/name'"),

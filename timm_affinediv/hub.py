@@ -1,9 +1,12 @@
-"""Publish timm-affinediv models to the Hugging Face Hub and load them back through timm.
+"""Publish timm-affinediv models to the Hugging Face Hub and load them back through timm or transformers.
 
 A Hub folder holds ``model.safetensors``, timm's own ``config.json`` (written by timm's
 ``save_for_hf``) and ``README.md``, the model card rendered from ``model_cards/``. After
 ``import timm_affinediv`` it loads with ``timm.create_model("local-dir:DIR", pretrained=True)``
-and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``.
+and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``; transformers'
+``AutoModelForImageClassification``, ``AutoImageProcessor`` and ``pipeline("image-classification")``
+load it too (its ``TimmWrapper``), with the class names of ``config.json``'s ``label_names``
+(``timm_affinediv.labels``).
 
 Loading without the plugin: timm looks the ``architecture`` of ``config.json`` up in its model
 registry before it builds or downloads anything else, and names it verbatim when it is unknown.
@@ -14,7 +17,9 @@ entrypoint, ``timm_affinediv``, that builds ``<arch>``, kept in ``pretrained_cfg
 with the saved ``model_args``. Without the plugin the user sees
 ``RuntimeError: Unknown model (timm_affinediv.<arch> (pip install timm-affinediv, then import
 timm_affinediv before timm.create_model))`` for every architecture, where a norm name alone
-would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
+would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt); transformers,
+which creates the architecture by that name, turns it into ``ImportError: The model architecture
+'timm_affinediv.<arch> (...)' is not supported in your version of timm (...)``.
 """
 import importlib.resources
 import json
@@ -440,6 +445,7 @@ def _plan_upload(
         to_do = f'Push its Hub folder {inner.parent} instead.' if inner is not None else \
             'Write one with timm_affinediv.hub.save_hub_folder.'
         raise HubError(f"{folder} is not a Hub model folder: missing {', '.join(missing)}. {to_do}")
+    _check_config(paths[CONFIG_NAME])
     pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise HubError(
@@ -471,6 +477,21 @@ def _plan_upload(
         create_pr=create_pr,
         token_source=token_source,
     )
+
+
+def _check_config(path: Path) -> None:
+    """Refuse a ``config.json`` that transformers cannot load: ``num_classes`` in ``model_args`` (a folder of an
+    earlier timm-affinediv), which transformers passes again beside them."""
+    try:
+        config = json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, ValueError) as e:
+        raise HubError(f'{path} is not readable JSON ({e}); write the folder again with '
+                       'timm_affinediv.hub.save_hub_folder.') from e
+    if 'num_classes' in (config.get('model_args') or {}):
+        raise HubError(
+            f"{path} has num_classes in model_args, where transformers' AutoModel and pipeline cannot load it "
+            '(they pass their own): write the folder again with timm_affinediv.hub.save_hub_folder, or move it to '
+            "config.json's top-level num_classes.")
 
 
 def _endpoint() -> str:
