@@ -360,11 +360,10 @@ def _classes_text(config: Mapping[str, Any]) -> str:
     shown = [f'`{name}` ({descriptions[name]})' if name in descriptions else f'`{name}`'
              for name in names[:CARD_CLASSES]]
     rest = f', ... ({count} in all)' if count > CARD_CLASSES else ''
-    return (f'{count} classes, by output index (`label_names` in `config.json`, with their descriptions in '
-            f'`label_descriptions`; the labels of transformers\' pipeline): {", ".join(shown)}{rest}.'
-            if descriptions else
-            f'{count} classes, by output index (`label_names` in `config.json`; the labels of transformers\' '
-            f'pipeline): {", ".join(shown)}{rest}.')
+    where = '`label_names` in `config.json`' + (', with their descriptions in `label_descriptions`'
+                                                 if descriptions else '')
+    return f"{count} classes, by output index ({where}; the labels of transformers' pipeline): " \
+           f"{', '.join(shown)}{rest}."
 
 
 def _norm_description(norm_layer: str | None) -> str:
