@@ -163,11 +163,10 @@ def convert_to_folder(
         metrics.update(original=evaluate(model, batches), converted=evaluate(converted, batches))
     # the preprocessing the weights expect, for timm's resolve_data_config on the published model, and the names of
     # their classes: the dataset's where it names each output, else the original model's
-    labels = next(filter(None, (label_config(dataset_class_names(d), converted.num_classes) for d in datasets_read)),
-                  None)
+    names = next(filter(None, map(dataset_class_names, datasets_read)), None)
     converted.pretrained_cfg = with_labels(dict(converted.pretrained_cfg, **data_config,
                                                 num_classes=converted.num_classes),
-                                           model_labels(model) if labels is None else labels)
+                                           label_config(names, converted.num_classes) or model_labels(model))
     source = 'given' if dataset_given else f'{dataset or data_dir} training'
     recipe = (f'Converted from `{base_model or report.architecture}` ({report.architecture}, BatchNorm/LayerNorm) '
               f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, then, on '

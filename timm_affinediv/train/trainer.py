@@ -223,7 +223,7 @@ class Trainer:
         if self.num_classes is None:
             raise ConfigError(f"dataset '{cfg.dataset}' does not say its number of classes: pass --num-classes.")
         _match_head(model, self.num_classes, cfg.num_classes)
-        # so do the names of the classes it is trained on (config.json's label_names); names of other data go
+        # the class names travel with the weights too (config.json's label_names): the training set's, no others
         model.pretrained_cfg = with_labels(
             model.pretrained_cfg, label_config(dataset_class_names(self.train_loader.dataset), self.num_classes))
         _init_head(model, cfg.head_init_scale, cfg.head_init_bias)
