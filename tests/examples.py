@@ -20,6 +20,9 @@ with one mechanism changing what it meets, never its flags' names:
   `--calib-images 1024` 16 images, `--reps 9` 4 rounds, ...); a full sweep gets its script's own flags for one
   family or experiment, and a measurement script short rounds on small images (`SHORTER`).
 
+The ```python blocks of the pages in `RUN_PYTHON` (whole programs, where other pages show fragments) run too, as
+written, after the page's commands, in order and in one namespace, in this process.
+
 Each document's (or `--help`'s) commands run in order in one fresh folder, as a reader would type them, in this
 process (the stand-ins are set here), or, for `torchrun` and an environment assignment, in a child process that
 applies the same stand-ins at start-up (`standins/sitecustomize.py`). Each must exit 0 and write what its
@@ -70,9 +73,11 @@ class Command:
 
 @dataclass
 class Example:
-    """The commands one document (or one `--help`) shows, in order."""
+    """The commands one document (or one `--help`) shows, in order, and the Python programs it shows to run after
+    them (`RUN_PYTHON`)."""
     source: str
     commands: List[Command]
+    python: List[str] = field(default_factory=list)
 
 
 def _join_continued(lines: Sequence[str]) -> List[str]:
@@ -132,14 +137,37 @@ def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
     return commands
 
 
+#: Pages whose ```python blocks are whole programs (others show fragments): each runs, in order and in one
+#: namespace, after the page's commands.
+RUN_PYTHON = ('docs/hub.md',)
+PYTHON_FENCE = re.compile(r'^\s*```python\s*$')
+
+
+def python_blocks(text: str) -> List[str]:
+    """The ```python code blocks of a markdown text, in order."""
+    blocks: List[str] = []
+    block: Optional[List[str]] = None
+    for line in text.splitlines():
+        if block is None:
+            block = [] if PYTHON_FENCE.match(line) else None
+        elif FENCE.match(line):
+            blocks.append('\n'.join(block) + '\n')
+            block = None
+        else:
+            block.append(line)
+    return blocks
+
+
 def doc_examples() -> List[Example]:
-    """The commands of README.md and of every page under docs/."""
+    """The commands of README.md and of every page under docs/, and the programs of the pages of `RUN_PYTHON`."""
     paths = [ROOT / 'README.md', *sorted((ROOT / 'docs').rglob('*.md'))]
     examples = []
     for path in paths:
-        commands = parse_commands(_markdown_lines(path.read_text()))
-        if commands:
-            examples.append(Example(path.relative_to(ROOT).as_posix(), commands))
+        source, text = path.relative_to(ROOT).as_posix(), path.read_text()
+        commands = parse_commands(_markdown_lines(text))
+        python = python_blocks(text) if source in RUN_PYTHON else []
+        if commands or python:
+            examples.append(Example(source, commands, python))
     return examples
 
 
@@ -420,7 +448,7 @@ def outputs_of(example: Example) -> set:
 def prepare_inputs(folder: Path, store: Path, example: Example) -> None:
     """Copy into `folder` the prepared inputs (made once in `store`) that `example` names and does not make."""
     written = outputs_of(example)
-    text = ' '.join(' '.join(apply_budget(c.words)) for c in example.commands)
+    text = ' '.join([' '.join(apply_budget(c.words)) for c in example.commands] + example.python)
     for name in PREPARED:
         named = re.search(rf'(?<![\w/.-]){re.escape(name)}(?![\w.-])', text)
         if named and not any(name == w or name.startswith(w + '/') for w in written):
@@ -494,6 +522,20 @@ def _in_process(words: List[str]) -> Outcome:
             status = 1
             print(traceback.format_exc(), file=err)
     return Outcome(int(status or 0), out.getvalue(), err.getvalue())
+
+
+def run_python(code: str, namespace: dict) -> Outcome:
+    """Run a page's Python program as written, under the stand-ins in force, in the current folder, in `namespace`
+    (that of the page's earlier programs)."""
+    out, err = io.StringIO(), io.StringIO()
+    with _process_state_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            exec(compile(code, '<python block>', 'exec'), namespace)
+            status = 0
+        except Exception:  # a traceback: what a user would see, and a failure
+            status = 1
+            print(traceback.format_exc(), file=err)
+    return Outcome(status, out.getvalue(), err.getvalue())
 
 
 def _in_child(command: Command, words: List[str], timeout: float) -> Outcome:

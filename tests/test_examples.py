@@ -27,6 +27,7 @@ from examples import (
     outputs_of,
     prepare_inputs,
     run_command,
+    run_python,
 )
 from hub_server import HubServer, Repo
 from safetensors.torch import save_file
@@ -120,6 +121,11 @@ def test_every_shown_command_runs_as_written(example: Example, store, tmp_path, 
         problem = check(command, words, outcome)
         if problem:
             problems.append(f'`{command.text}` (run as `{" ".join(words)}`): {problem}')
+    namespace = {'__name__': '__main__'}
+    for number, code in enumerate(example.python, 1):
+        outcome = run_python(code, namespace)
+        if outcome.status != 0:
+            problems.append(f'python block {number}: {outcome.err[-1500:]}')
     assert not problems, f'{example.source}:\n' + '\n'.join(problems)
 
 
@@ -128,3 +134,5 @@ def test_the_examples_are_found():
     assert {'README.md', 'docs/conversion.md', 'docs/training.md', 'timm-affinediv convert --help',
             'timm-affinediv finetune --help', 'python scripts/bench.py --help'} <= sources, sorted(sources)
     assert sum(len(e.commands) for e in EXAMPLES) >= 60
+    hub = next(e for e in EXAMPLES if e.source == 'docs/hub.md')
+    assert any('hf-hub:' in code for code in hub.python) and any('from transformers' in code for code in hub.python)

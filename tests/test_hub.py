@@ -14,7 +14,9 @@ from hub_server import HubServer
 from huggingface_hub import ModelCard, constants
 from torch import nn
 
+from timm_affinediv.data import FASHION_MNIST_CLASSES
 from timm_affinediv.hub import HubError, push_to_hub, render_model_card, save_hub_folder
+from timm_affinediv.labels import label_config, with_labels
 
 REPO_ID = 'test-org/test-resnet-fmnist'
 TOKEN = 'hf_loopback_test_token'
@@ -54,6 +56,8 @@ def model() -> nn.Module:
     with torch.no_grad():  # non-trivial BatchNorm running statistics
         for _ in range(3):
             model(torch.randn(8, 1, 32, 32))
+    # the class names, as the Trainer and convert_to_folder record those of their dataset
+    model.pretrained_cfg = with_labels(model.pretrained_cfg, label_config(FASHION_MNIST_CLASSES, 10))
     return model.eval()
 
 
@@ -94,8 +98,11 @@ def test_save_hub_folder_writes_a_timm_folder(folder, model, images):
     config = json.loads((folder / 'config.json').read_text())
     assert config['architecture'].startswith('timm_affinediv.test_resnet ')
     assert config['pretrained_cfg']['architecture'] == 'test_resnet'
-    assert config['model_args'] == {**MODEL_ARGS, 'global_pool': 'avg'}
+    # num_classes at the top only: transformers passes its own beside model_args
+    assert config['model_args'] == {'in_chans': 1, 'global_pool': 'avg'}
     assert (config['num_classes'], config['num_features']) == (10, model.num_features)
+    assert config['label_names'] == list(FASHION_MNIST_CLASSES) and 'label_descriptions' not in config
+    assert not {'label_names', 'label_descriptions'} & config['pretrained_cfg'].keys()
     assert config['pretrained_cfg']['input_size'][0] == 1
     assert config['pretrained_cfg']['license'] == 'mit'
     assert json.loads((folder / 'conversion_report.json').read_text()) == {'top1_agreement': 0.97}
@@ -108,6 +115,35 @@ def test_save_hub_folder_writes_a_timm_folder(folder, model, images):
     loaded = timm.create_model(f'local-dir:{folder}', pretrained=True).eval()
     assert type(loaded) is type(model) and loaded.num_classes == 10
     assert torch.equal(loaded(images), model(images))
+    assert loaded.pretrained_cfg['label_names'] == list(FASHION_MNIST_CLASSES)
+
+
+def test_folder_builds_by_its_architecture_name_as_transformers_does(folder, model, images):
+    """transformers' TimmWrapper calls `timm.create_model(architecture, num_classes=..., **model_args)` and loads the
+    weights itself: the model is the saved one, and, being 1-channel, reads an RGB image of gray pixels (what its
+    pipeline makes of every image) as the gray image."""
+    config = json.loads((folder / 'config.json').read_text())
+    built = timm.create_model(config['architecture'], num_classes=config['num_classes'], **config['model_args'])
+    built.load_state_dict(safetensors.torch.load_file(folder / 'model.safetensors'))
+    built.eval()
+    assert type(built) is type(model)
+    assert torch.equal(built(images), model(images))
+    assert torch.equal(built(images.expand(-1, 3, -1, -1)), model(images))
+    rgb = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    luma = 0.299 * rgb[:, :1] + 0.587 * rgb[:, 1:2] + 0.114 * rgb[:, 2:]
+    assert torch.allclose(built(rgb), model(luma), atol=1e-5)
+
+
+@pytest.mark.parametrize('name, kwargs', [
+    ('timm_affinediv.test_resnet', {}),  # a tag without the folder's hint
+    ('timm_affinediv.no_such_model (pip install timm-affinediv, then import timm_affinediv before timm.create_model)',
+     {}),
+    ('timm_affinediv.test_resnet (pip install timm-affinediv, then import timm_affinediv before timm.create_model)',
+     {'pretrained': True}),  # would be timm's weights for the architecture, not the folder's
+])
+def test_hub_entrypoint_refuses_what_no_folder_names(name, kwargs):
+    with pytest.raises(ValueError, match="only loads folders written by timm_affinediv.hub.save_hub_folder"):
+        timm.create_model(name, **kwargs)
 
 
 def test_save_hub_folder_refuses_existing_dir_and_overwrites_atomically(folder, model, tmp_path):
@@ -156,6 +192,31 @@ def test_model_card_metadata_and_content(folder):
     assert 'eprint = {2512.22247}' in text and 'ICLR' in text
     assert '| Top-1 Accuracy | the test split of Fashion-MNIST | 91.2 |' in text
     assert '$' not in text, 'unfilled template placeholder'
+
+
+def test_card_names_the_classes_and_loads_with_transformers(folder):
+    text = ' '.join(ModelCard.load(folder / 'README.md').text.split())
+    assert ("10 classes, by output index (`label_names` in `config.json`; the labels of transformers' pipeline): "
+            "`T-shirt/top`, `Trouser`, `Pullover`, `Dress`, `Coat`, `Sandal`, `Shirt`, `Sneaker`, `Bag`, "
+            "`Ankle boot`.") in text
+    assert f'pipeline("image-classification", model="{REPO_ID}")' in text
+    assert text.index('import timm_affinediv') < text.index('from transformers import pipeline')
+    assert "ImportError: The model architecture 'timm_affinediv.test_resnet (pip install timm-affinediv" in text
+
+
+def test_imagenet_head_gets_imagenet_names_and_descriptions(tmp_path):
+    """A model with ImageNet-1k's head and no names of its own (a timm ImageNet model, converted) is published with
+    ImageNet's synsets and their lemmas, as timm knows them."""
+    model = timm.create_model('test_resnet', num_classes=1000).eval()
+    folder = save_hub_folder(model, tmp_path / 'in1k', model_args={})
+    config = json.loads((folder / 'config.json').read_text())
+    assert len(config['label_names']) == 1000 and config['label_names'][:2] == ['n01440764', 'n01443537']
+    assert config['label_descriptions']['n01440764'] == 'tench, Tinca tinca'
+    text = ' '.join((folder / 'README.md').read_text().split())
+    assert '`n01440764` (tench, Tinca tinca), `n01443537` (goldfish, Carassius auratus)' in text
+    assert '... (1000 in all).' in text
+    loaded = timm.create_model(f'local-dir:{folder}', pretrained=True)
+    assert loaded.pretrained_cfg['label_descriptions']['n01443537'] == 'goldfish, Carassius auratus'
 
 
 def test_model_card_metrics_need_a_dataset(folder):
@@ -301,10 +362,21 @@ def _corrupt_weights(folder: Path, tmp: Path) -> Path:
     return tmp
 
 
+def _num_classes_in_model_args(folder: Path, tmp: Path) -> Path:
+    """A folder as earlier versions wrote it: transformers passes num_classes beside model_args, and fails."""
+    for path in folder.iterdir():
+        (tmp / path.name).write_bytes(path.read_bytes())
+    config = json.loads((folder / 'config.json').read_text())
+    config['model_args']['num_classes'] = config['num_classes']
+    (tmp / 'config.json').write_text(json.dumps(config))
+    return tmp
+
+
 @pytest.mark.parametrize('make_folder, repo_id, wrong, to_do', [
     (_without_weights, REPO_ID, 'missing model.safetensors', 'Write one with timm_affinediv.hub.save_hub_folder'),
     (_corrupt_weights, REPO_ID, 'model.safetensors is not a readable safetensors file', 'save_hub_folder'),
     (_with_pickle, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
+    (_num_classes_in_model_args, REPO_ID, 'config.json has num_classes in model_args', 'write the folder again'),
     (_run_folder, REPO_ID, 'is not a Hub model folder: missing config.json, README.md', 'Push its Hub folder'),
     (lambda folder, tmp: folder, 'test-org/bad--name', "invalid repo id 'test-org/bad--name'", "Use 'org/name'"),
     (lambda folder, tmp: folder, 'a/b/c', "invalid repo id 'a/b/c'", "Use 'org/name'"),
@@ -389,6 +461,7 @@ def test_card_says_what_the_model_is(trained_folder):
     assert 'Evaluated on a fixed random 2,000 of the 10,000 images of the Fashion-MNIST test split' in text
     assert 'author = {Bird, George}' in text and 'George Bird' in text
     assert '![Training curves' in text and '(metrics.png)' in text
+    assert '10 classes, not named' in ' '.join(text.split())  # its pretrained_cfg has no names
     assert (trained_folder / 'metrics.png').read_bytes() == b'\x89PNG fake'
     assert '$' not in text
 

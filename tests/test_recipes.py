@@ -265,10 +265,12 @@ def test_huggingface_datasets_map_style_and_streamed(tmp_path, monkeypatch):
     common = dict(data_dir=str(tmp_path / 'cache'), num_classes=10, in_chans=1, img_size=32)
     trainer = Trainer(recipe(tmp_path / 'map', dataset=f'hfds/{folder}', train_subset=48, batch_size=16, **common))
     assert not trainer.stream and trainer.num_classes == 10 and len(trainer.train_loader) == 3
+    assert trainer.model.pretrained_cfg['label_names'] == list(FASHION_MNIST_CLASSES)  # the ClassLabel's names
     assert trainer.fit().metrics['val_top5'] > 0
     streamed = Trainer(recipe(tmp_path / 'stream', dataset=f'hfids/{folder}', train_subset=None,
                               train_num_samples=32, val_num_samples=32, val_subset=None, **common))
     assert streamed.stream and len(streamed.train_loader) == 2
+    assert streamed.model.pretrained_cfg['label_names'] == list(FASHION_MNIST_CLASSES)
     assert [h['epoch'] for h in streamed.fit().history] == [0]
 
 
@@ -288,6 +290,7 @@ def test_torchvision_dataset_and_missing_extras(tmp_path, monkeypatch):
     trainer = Trainer(recipe(tmp_path / 'run', dataset='torch/fashion_mnist', data_dir=str(tmp_path),
                              train_subset=None, val_subset=None, num_classes=10, in_chans=3, img_size=32))
     assert trainer.num_classes == 10 and trainer.data_config['input_size'] == (3, 32, 32)
+    assert trainer.model.pretrained_cfg['label_names'][:2] == ['T-shirt/top', 'Trouser']  # torchvision's classes
     x, _ = next(iter(trainer.train_loader))
     assert x.shape == (16, 3, 32, 32)  # the 'L' images converted for a 3-channel model
     import importlib.util

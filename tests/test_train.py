@@ -14,13 +14,16 @@ import torch
 import torch.nn as nn
 from PIL import Image
 from safetensors.torch import load_file, save_file
+from torch.utils.data import Subset
 
 from timm_affinediv.data import (
+    FASHION_MNIST_CLASSES,
     FASHION_MNIST_DIR,
     DataError,
     FashionMNIST,
     create_image_dataset,
     create_train_loader,
+    dataset_class_names,
     resolve_dataset_data_config,
     set_loader_epoch,
 )
@@ -110,6 +113,8 @@ def test_image_folder_and_its_errors(tmp_path):
     _image_folder(tmp_path)
     dataset = create_image_dataset('', str(tmp_path), 'train', in_chans=1)
     assert len(dataset) == 8 and dataset[0][0].mode == 'L'
+    assert dataset_class_names(dataset) == ('a', 'b') and dataset_class_names(Subset(dataset, [0])) == ('a', 'b')
+    assert dataset_class_names(FashionMNIST(split='test')) == FASHION_MNIST_CLASSES
     with pytest.raises(DataError, match='does not exist'):
         create_image_dataset('', str(tmp_path / 'missing'), 'train')
     os.makedirs(tmp_path / 'empty' / 'train' / 'a')

@@ -14,7 +14,7 @@ import gzip
 import importlib.util
 import os
 import struct
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from .errors import DataError
 
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
-    'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes',
+    'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes', 'dataset_class_names',
     'resolve_dataset_data_config', 'create_train_loader', 'BatchNormalizer', 'set_loader_epoch', 'create_eval_loader',
     'dataset_scheme', 'is_stream',
 ]
@@ -247,17 +247,34 @@ def is_stream(dataset: Dataset) -> bool:
 def dataset_num_classes(dataset: Dataset) -> Optional[int]:
     """Number of classes of a dataset made by `create_image_dataset`, or None where it does not say (a stream of
     `.cls` labels)."""
+    classes = _class_index(dataset)
+    return len(classes) if classes else None
+
+
+def dataset_class_names(dataset: Dataset) -> Optional[Tuple[str, ...]]:
+    """The class names of a dataset made by `create_image_dataset`, by label: Fashion-MNIST's ten, an image
+    folder's class folders, a timm dataset's classes (its reader's `class_to_idx`, a torchvision dataset's
+    `classes`); None where it has none, or they do not name each label once."""
+    classes = _class_index(dataset)
+    if not classes:
+        return None
+    names = dict((index, str(name)) for name, index in classes)
+    if len(names) != len(classes) or set(names) != set(range(len(names))):
+        return None
+    return tuple(names[index] for index in range(len(names)))
+
+
+def _class_index(dataset: Dataset) -> Optional[List[Tuple[Any, int]]]:
+    """(class name, label) pairs of a dataset made by `create_image_dataset`, as its reader or itself lists them."""
     if isinstance(dataset, Subset):
-        return dataset_num_classes(dataset.dataset)
-    if isinstance(dataset, FashionMNIST):
-        return len(dataset.classes)
+        return _class_index(dataset.dataset)
     inner = dataset.dataset if isinstance(dataset, _CheckedImageDataset) else dataset
     class_to_idx = getattr(getattr(inner, 'reader', None), 'class_to_idx', None) or getattr(inner, 'class_to_idx',
                                                                                            None)
     if class_to_idx:
-        return len(class_to_idx)
+        return list(class_to_idx.items())
     classes = getattr(inner, 'classes', None)
-    return len(classes) if classes else None
+    return [(name, index) for index, name in enumerate(classes)] if classes else None
 
 
 def resolve_dataset_data_config(

@@ -1,9 +1,12 @@
-"""Publish timm-affinediv models to the Hugging Face Hub and load them back through timm.
+"""Publish timm-affinediv models to the Hugging Face Hub and load them back through timm or transformers.
 
 A Hub folder holds ``model.safetensors`` (contiguous tensors, whatever the model's memory format), timm's own
 ``config.json`` (written by timm's ``save_config_for_hf``) and ``README.md``, the model card rendered from
 ``model_cards/``. After ``import timm_affinediv`` it loads with ``timm.create_model("local-dir:DIR", pretrained=True)``
-and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``.
+and, once pushed, with ``timm.create_model("hf-hub:org/name", pretrained=True)``; transformers'
+``AutoModelForImageClassification``, ``AutoImageProcessor`` and ``pipeline("image-classification")``
+load it too (its ``TimmWrapper``), with the class names of ``config.json``'s ``label_names``
+(``timm_affinediv.labels``).
 
 Loading without the plugin: timm looks the ``architecture`` of ``config.json`` up in its model
 registry before it builds or downloads anything else, and names it verbatim when it is unknown.
@@ -14,7 +17,9 @@ entrypoint, ``timm_affinediv``, that builds ``<arch>``, kept in ``pretrained_cfg
 with the saved ``model_args``. Without the plugin the user sees
 ``RuntimeError: Unknown model (timm_affinediv.<arch> (pip install timm-affinediv, then import
 timm_affinediv before timm.create_model))`` for every architecture, where a norm name alone
-would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt).
+would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeXt); transformers,
+which creates the architecture by that name, turns it into ``ImportError: The model architecture
+'timm_affinediv.<arch> (...)' is not supported in your version of timm (...)``.
 """
 import importlib.resources
 import json
@@ -37,6 +42,7 @@ from torch import nn
 from ._io import atomic_dir, save_safetensors
 from ._timm_compat import get_model_input_config, save_config_for_hf
 from .errors import HubError
+from .labels import LABEL_KEYS, model_labels
 from .layers.binding import fake_eval
 
 __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'push_to_hub']
@@ -57,6 +63,8 @@ CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv')
 NORM_TAGS = ('patchnorm', 'affinediv')
 #: Placeholder repo id of a card written before the repo is known.
 REPO_PLACEHOLDER = 'YOUR-ORG/YOUR-MODEL'
+#: The most class names a card lists (ImageNet's 1000 are in config.json).
+CARD_CLASSES = 20
 #: The training curves, shown in the card when the folder has them (`extra_files`).
 PLOT_NAME = 'metrics.png'
 #: `pretrained_cfg` entries that describe the source checkpoint (ImageNet weights: their tag, paper, notes), not
@@ -67,24 +75,61 @@ _METRIC_NAMES = {'top1': 'Top-1 Accuracy', 'top5': 'Top-5 Accuracy'}
 
 
 @register_model
-def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | None = None, **kwargs: Any) -> nn.Module:
+def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | str | None = None, **kwargs: Any) -> nn.Module:
     """Build the architecture of a timm-affinediv Hub folder (see the module docstring).
 
-    timm calls this for ``hf-hub:`` and ``local-dir:`` folders written by ``save_hub_folder``;
-    the real architecture is ``pretrained_cfg['architecture']``.
+    timm calls this for ``hf-hub:`` and ``local-dir:`` folders written by ``save_hub_folder``; the
+    real architecture is ``pretrained_cfg['architecture']``. transformers' ``TimmWrapper`` creates
+    the folder's ``architecture`` by name instead (``timm.create_model(architecture, num_classes=...,
+    **model_args)``, its own code loading the weights): timm then passes the text after the first
+    ``.``, ``<arch> (<hint>)``, as ``pretrained_cfg``, and ``<arch>`` is built with timm's default
+    configuration for it.
     """
-    arch = (pretrained_cfg or {}).get('architecture')
-    if not arch:
-        raise ValueError(
-            f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
-            " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
-            " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
-        )
-    return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+    if isinstance(pretrained_cfg, str):
+        arch = _folder_architecture(pretrained_cfg)
+        if arch and not pretrained:
+            model = model_entrypoint(arch)(pretrained=False, **kwargs)
+            if kwargs.get('in_chans') == 1:
+                _read_rgb_as_gray(model)
+            return model
+    elif pretrained_cfg:
+        arch = pretrained_cfg.get('architecture')
+        if arch:
+            return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
+    raise ValueError(
+        f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
+        " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
+        " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
+    )
 
 
 def _hub_architecture(arch: str) -> str:
     return f'{HUB_ARCH}.{arch} ({PLUGIN_HINT})'
+
+
+def _read_rgb_as_gray(model: nn.Module) -> None:
+    """Let a 1-channel model built for transformers take the RGB images its pipelines make of every image
+    (``transformers.image_utils.load_image``): its first convolution reads 3-channel input as its luma, with PIL's
+    ``convert('L')`` weights (ITU-R 601-2), ``Y = 0.299 R + 0.587 G + 0.114 B``. 1-channel input passes unchanged."""
+    first_conv = model.pretrained_cfg.get('first_conv')
+    first_conv = first_conv[0] if isinstance(first_conv, (list, tuple)) else first_conv
+    if first_conv:
+        model.get_submodule(first_conv).register_forward_pre_hook(_luma_of_rgb)
+
+
+def _luma_of_rgb(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if x.dim() != 4 or x.shape[1] != 3:
+        return None
+    r, g, b = x.unbind(1)
+    # Y = R + 0.587 (G - R) + 0.114 (B - R): the same weights, and exactly R where R = G = B (a grayscale image)
+    return ((r + 0.587 * (g - r) + 0.114 * (b - r)).unsqueeze(1), *args[1:])
+
+
+def _folder_architecture(tag: str) -> str | None:
+    """``<arch>`` of the tag ``<arch> (<hint>)`` of a folder's ``architecture``, None for any other tag."""
+    arch, hint, rest = tag.partition(f' ({PLUGIN_HINT})')
+    return arch if hint and not rest and timm.is_model(arch) else None
 
 
 def save_hub_folder(
@@ -135,9 +180,13 @@ def save_hub_folder(
         data_config = dict(data_config or _data_config(model))
         save_safetensors(model.state_dict(), tmp_dir / WEIGHTS_NAME)
         config_path = tmp_dir / CONFIG_NAME
-        save_config_for_hf(model, config_path, model_args=model_args, data_config=data_config)
+        save_config_for_hf(model, config_path, model_config=model_labels(model), model_args=model_args,
+                           data_config=data_config)
         config = json.loads(config_path.read_text())
-        for key in SOURCE_CFG_KEYS:
+        # the top-level entries are those both loaders read: the class count (transformers passes its own
+        # num_classes beside model_args) and the class names
+        config['model_args'].pop('num_classes', None)
+        for key in (*SOURCE_CFG_KEYS, *LABEL_KEYS):
             config['pretrained_cfg'].pop(key, None)
         config['pretrained_cfg']['pool_size'] = _pool_size(model, config['pretrained_cfg']['input_size'])
         arch = config['architecture']
@@ -295,8 +344,26 @@ def render_model_card(
         results=results or '| not measured | | |',
         plot=f'\n![Training curves: loss and top-1 per epoch]({plot})\n' if plot else '',
         plugin_hint=PLUGIN_HINT,
+        classes=_classes_text(config),
     )
     return ModelCard(f'---\n{data.to_yaml()}\n---\n{body}', ignore_metadata_errors=False)
+
+
+def _classes_text(config: Mapping[str, Any]) -> str:
+    """The card's list of the classes: every name (with its description where the folder has one) up to
+    ``CARD_CLASSES``, the first ones beyond."""
+    names, descriptions = config.get('label_names'), config.get('label_descriptions') or {}
+    count = config['num_classes']
+    if not names:
+        return (f'{count} classes, not named: the dataset it was trained on names none, so the outputs are numbers '
+                f'(`LABEL_0` ... `LABEL_{count - 1}` in transformers).')
+    shown = [f'`{name}` ({descriptions[name]})' if name in descriptions else f'`{name}`'
+             for name in names[:CARD_CLASSES]]
+    rest = f', ... ({count} in all)' if count > CARD_CLASSES else ''
+    where = '`label_names` in `config.json`' + (', with their descriptions in `label_descriptions`'
+                                                 if descriptions else '')
+    return f"{count} classes, by output index ({where}; the labels of transformers' pipeline): " \
+           f"{', '.join(shown)}{rest}."
 
 
 def _norm_description(norm_layer: str | None) -> str:
@@ -377,6 +444,7 @@ def _plan_upload(
         to_do = f'Push its Hub folder {inner.parent} instead.' if inner is not None else \
             'Write one with timm_affinediv.hub.save_hub_folder.'
         raise HubError(f"{folder} is not a Hub model folder: missing {', '.join(missing)}. {to_do}")
+    _check_config(paths[CONFIG_NAME])
     pickles = [n for n in names if n.lower().endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise HubError(
@@ -408,6 +476,21 @@ def _plan_upload(
         create_pr=create_pr,
         token_source=token_source,
     )
+
+
+def _check_config(path: Path) -> None:
+    """Refuse a ``config.json`` that transformers cannot load: ``num_classes`` in ``model_args`` (a folder of an
+    earlier timm-affinediv), which transformers passes again beside them."""
+    try:
+        config = json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, ValueError) as e:
+        raise HubError(f'{path} is not readable JSON ({e}); write the folder again with '
+                       'timm_affinediv.hub.save_hub_folder.') from e
+    if 'num_classes' in (config.get('model_args') or {}):
+        raise HubError(
+            f"{path} has num_classes in model_args, where transformers' AutoModel and pipeline cannot load it "
+            '(they pass their own): write the folder again with timm_affinediv.hub.save_hub_folder, or move it to '
+            "config.json's top-level num_classes.")
 
 
 def _endpoint() -> str:

@@ -13,9 +13,17 @@ import torch.nn as nn
 from ._state_dict import describe_mismatch
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, convert_model, model_in_chans
-from .data import create_eval_loader, describe_split, is_fashion_mnist, is_stream, resolve_dataset_data_config
+from .data import (
+    create_eval_loader,
+    dataset_class_names,
+    describe_split,
+    is_fashion_mnist,
+    is_stream,
+    resolve_dataset_data_config,
+)
 from .errors import CheckpointError, MissingFileError, NormMismatchError
 from .hub import model_card_template, save_hub_folder
+from .labels import label_config, model_labels, with_labels
 from .train import evaluate
 
 __all__ = ['load_trained_model', 'evaluate', 'convert_to_folder', 'hub_dataset']
@@ -137,20 +145,28 @@ def convert_to_folder(
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calib_images = calib_batches * batch_size if calib_images is None else calib_images
     dataset_given = calibration is not None
+    datasets_read = []
     if calibration is None and calib_images:
-        calibration = _first_images(create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
-                                                       subset=calib_images, workers=workers), calib_images)
+        calib_loader = create_eval_loader(dataset, data_dir, data_config, batch_size, split='train',
+                                          subset=calib_images, workers=workers)
+        datasets_read.append(calib_loader.dataset)
+        calibration = _first_images(calib_loader, calib_images)
     converted, report = convert_model(model, norm, calibration, progress=progress, device=device,
                                       calib_memory=calib_memory, **model_kwargs)
-    # the preprocessing the weights expect, for timm's resolve_data_config on the published model
-    converted.pretrained_cfg = dict(converted.pretrained_cfg, **data_config, num_classes=converted.num_classes)
     metrics: Dict[str, Any] = dict(conversion_seconds=report.seconds, data_config=data_config)
     evaluated = eval_images != 0
     if evaluated:
         eval_loader = create_eval_loader(dataset, data_dir, data_config, 256, subset=eval_images, workers=workers)
+        datasets_read.append(eval_loader.dataset)
         batches = _first_images(eval_loader, eval_images, labels=True) if is_stream(eval_loader.dataset) and \
             eval_images else eval_loader
         metrics.update(original=evaluate(model, batches), converted=evaluate(converted, batches))
+    # the preprocessing the weights expect, for timm's resolve_data_config on the published model, and the names of
+    # their classes: the dataset's where it names each output, else the original model's
+    names = next(filter(None, map(dataset_class_names, datasets_read)), None)
+    converted.pretrained_cfg = with_labels(dict(converted.pretrained_cfg, **data_config,
+                                                num_classes=converted.num_classes),
+                                           label_config(names, converted.num_classes) or model_labels(model))
     source = 'given' if dataset_given else f'{dataset or data_dir} training'
     recipe = (f'Converted from `{base_model or report.architecture}` ({report.architecture}, BatchNorm/LayerNorm) '
               f'to `norm_layer="{norm}"` with timm-affinediv: weights carried over, then, on '

@@ -44,6 +44,7 @@ from ..data import (
     BatchNormalizer,
     create_eval_loader,
     create_train_loader,
+    dataset_class_names,
     dataset_num_classes,
     describe_split,
     is_fashion_mnist,
@@ -51,6 +52,7 @@ from ..data import (
     resolve_dataset_data_config,
     set_loader_epoch,
 )
+from ..labels import label_config, with_labels
 from ..layers.binding import bind_patchnorm
 from .checkpoint import (
     _EMA_FILE,
@@ -220,6 +222,9 @@ class Trainer:
         if self.num_classes is None:
             raise ConfigError(f"dataset '{cfg.dataset}' does not say its number of classes: pass --num-classes.")
         _match_head(model, self.num_classes, cfg.num_classes)
+        # the class names travel with the weights too (config.json's label_names): the training set's, no others
+        model.pretrained_cfg = with_labels(
+            model.pretrained_cfg, label_config(dataset_class_names(self.train_loader.dataset), self.num_classes))
         _init_head(model, cfg.head_init_scale, cfg.head_init_bias)
         if not any(p.requires_grad for p in model.parameters()):
             raise ConfigError('the model has no trainable parameters (all have requires_grad=False).')
