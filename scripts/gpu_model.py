@@ -532,8 +532,7 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
             read += _map_bytes(n, groups, positions)
         else:
             read += dram_bytes(named['b_ptr'])
-            taps = constexprs['KH'] * constexprs['KW']
-            instructions = y.numel() * taps * INSTRUCTIONS_PER_TAP[constexprs['BOX']]
+            instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'])
         if constexprs['STORE_M']:
             written += _map_bytes(n, groups, positions)
         if constexprs['SUM']:
@@ -558,10 +557,18 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
     raise ValueError(f'no byte count for the Triton kernel {name}')
 
 
-#: Instructions a thread issues per element per window tap of the box filter inside `_scale_kernel` (`BOX` 1: the
-#: window of a convolution; 2: its adjoint, with the stride's division and remainder): index arithmetic, bounds
-#: masks, one load, one add.
-INSTRUCTIONS_PER_TAP = {1: 12, 2: 20}
+#: Instructions issued per element and window tap by the box filter inside `_scale_kernel`, by `BOX` (1: a
+#: convolution's window, 2: its adjoint) and whether the compiler unrolls the window (up to 4 x 4) or loops over
+#: its rows: from the SASS of the sm_90a specialisations a 64 px step launches (`cuobjdump -sass`: the loop body's
+#: instructions, or the unrolled window's over the same kernel without a box, divided by the taps and the 4 elements
+#: a thread holds). The window's index arithmetic, bounds masks and scalar loads are per element: nothing is shared
+#: between the channels of a tile.
+INSTRUCTIONS_PER_TAP = {(1, True): 4.7, (1, False): 9.0, (2, True): 5.1, (2, False): 5.3}
+
+
+def box_instructions(elements: int, box: int, kh: int, kw: int) -> float:
+    """Instructions the box filter of a `_scale_kernel` launch issues over `elements` output elements."""
+    return elements * kh * kw * INSTRUCTIONS_PER_TAP[(box, kh * kw <= 16)]
 
 
 # --- labels: which layer kind a launch belongs to -----------------------------------------------------------------
@@ -975,7 +982,8 @@ def main(argv=None) -> int:
     if args.json:
         parameters = dict(gpus={k: dataclasses.asdict(g) for k, g in GPUS.items()},
                           fractions={k: dict(fraction=f, source=src) for k, (f, src) in FRACTIONS.items()},
-                          floor_s=FLOOR_S, cpu_costs_s=CPU_COSTS, instructions_per_tap=INSTRUCTIONS_PER_TAP)
+                          floor_s=FLOOR_S, cpu_costs_s=CPU_COSTS,
+                          instructions_per_tap={f'box {b}, unrolled {u}': v for (b, u), v in INSTRUCTIONS_PER_TAP.items()})
         atomic_write(args.json, json.dumps(dict(
             torch=torch.__version__, timm=timm.__version__, parameters=parameters,
             measured_h200_s={'/'.join(k): v for k, v in MEASURED_H200.items()},
