@@ -89,48 +89,65 @@ GPUS: Dict[str, Gpu] = {
 #: The fraction of a peak each kind of kernel reaches (`engine` of a launch): bytes at `bandwidth x fraction`,
 #: FLOPs at `peak x fraction`.
 FRACTIONS: Dict[str, Tuple[float, str]] = {
-    'stream': (0.90, "vectorised elementwise kernels (all operands in one layout): 89.7% of spec for quack's softmax "
-                     "on an H100 (Dao-AILab/quack membound-sol); 0.92 measured for the residual adds of the H200 "
-                     "profile"),
-    'strided': (0.27, 'elementwise kernels TensorIterator cannot vectorise (a broadcast operand, operands in different '
-                      'layouts): 0.24-0.32 of bandwidth in the patchnorm ResNet-50 profile (div 153 us, masked_fill_ 90 '
-                      'us, threshold_backward 100.5 us a call, the last against 35.8 us natively on the same sizes)'),
-    'reduce': (0.65, 'reductions along the innermost dimension (sums, norms, softmax over rows): 60-70% of bandwidth '
-                     '(quack blog)'),
-    'reduce_outer': (0.27, 'reductions across rows, the innermost dimension kept (bias gradients, channel sums of '
-                           'channels-last maps): reduce_kernel<128, 4> on bfloat16, 57.4 us a call in the H200 '
-                           'ConvNeXt profile'),
-    'layer_norm': (0.145, "LayerNorm's forward on rows of 96-768 floats (vectorized_layer_norm_kernel<float>, one row "
-                          'a block): 4.45 ms a step in the H200 ConvNeXt profile'),
-    'layer_norm_backward': (0.38, "LayerNorm's backward (layer_norm_grad_input_kernel_vectorized, 2.44 ms a step; "
-                                  'GammaBetaBackward, 1.78 ms)'),
-    'bn_statistics': (0.135, "BatchNorm's statistics kernel (batch_norm_collect_statistics_channels_last): 4.61 ms a "
-                             'step in the H200 profile on the 0.60 GB this model counts for it'),
-    'bn_transform': (0.56, "BatchNorm's normalising pass (batch_norm_transform_input_channels_last): 2.32 ms a step"),
-    'bn_backward_reduce': (0.46, "BatchNorm's backward reduction (batch_norm_backward_reduce_channels_last): 2.76 ms a "
-                                 'step'),
-    'bn_backward_elementwise': (0.64, "BatchNorm's backward elementwise pass (batch_norm_backward_elemt_channels_last): "
-                                      '2.94 ms a step'),
-    'transpose': (0.45, "cuDNN's layout transposes of NCHW activations (nchwToNhwcKernel): fitted to the native NCHW "
-                        'ResNet-50 inference step on the H200 (25.1 ms against 16.5 ms channels-last); no profile of '
-                        'an NCHW step exists'),
-    'pool': (0.25, "max pooling's forward and backward (one each in ResNet): 0.42 and 0.91 ms in the H200 profile"),
-    'gemm': (0.55, "cuDNN's and cuBLAS's convolutions and GEMMs of the native ResNet-50 train step in the H200 profile: "
-                   'forward 3.08 ms, backward 5.51 ms a step'),
-    'depthwise': (0.17, "cuDNN's bfloat16 depthwise 7x7 forward (ConvNeXt) on CUDA cores: conv2d_c1_k1_nhwc_specialized, "
-                        '131.5 us a call in the H200 profile'),
-    'depthwise_dgrad': (0.084, 'its data gradient: dgrad2d_c1_k1_nhwc_specialized, 267.6 us a call'),
-    'depthwise_wgrad': (0.23, 'its weight gradient: wgrad2d_c1_k1_nhwc, 96.1 us a call'),
-    'depthwise_fp32': (0.072, "a float32 depthwise 7x7 convolution (the torch path's box filter): conv2d_c1_k1_nhwc, 311 "
-                             'us a call in the patchnorm ConvNeXt profile'),
-    'gemv': (0.25, 'matrix-vector products (a matrix product with a dimension of 1): cuBLAS gemvx kernels, 2.73 ms a '
-                   'step in the patchnorm ResNet-50 profile'),
-    'batched_dot': (0.08, 'batched products of 1 x K by K x 1 matrices (row dot products): aten::bmm, 167-177 us a call '
-                          'in the patchnorm profiles'),
-    'triton': (0.85, 'the fused kernels (not yet run on a GPU): the bar of docs/gpu-kernels.md, 85% of bandwidth, an '
-                     'assumption until measured'),
-    'issue': (0.50, 'instruction issue of the fused kernels: half of one instruction a scheduler per clock (loads, '
-                    'integer index arithmetic and masks share the issue slots), an assumption'),
+    'stream': (0.9, (
+        "vectorised elementwise kernels (all operands in one layout): 89.7% of spec for quack's softmax on an "
+        'H100 (Dao-AILab/quack membound-sol); 0.92 measured for the residual adds of the H200 profile')),
+    'strided': (0.27, (
+        'elementwise kernels TensorIterator cannot vectorise (a broadcast operand, operands in different '
+        'layouts): 0.24-0.32 of bandwidth in the patchnorm ResNet-50 profile (div 153 us, masked_fill_ 90 us, '
+        'threshold_backward 100.5 us a call, the last against 35.8 us natively on the same sizes)')),
+    'reduce': (0.65, (
+        'reductions along the innermost dimension (sums, norms, softmax over rows): 60-70% of bandwidth '
+        '(quack blog)')),
+    'reduce_outer': (0.27, (
+        'reductions across rows, the innermost dimension kept (bias gradients, channel sums of channels-last '
+        'maps): reduce_kernel<128, 4> on bfloat16, 57.4 us a call in the H200 ConvNeXt profile')),
+    'layer_norm': (0.145, (
+        "LayerNorm's forward on rows of 96-768 floats (vectorized_layer_norm_kernel<float>, one row a block): "
+        '4.45 ms a step in the H200 ConvNeXt profile')),
+    'layer_norm_backward': (0.38, (
+        "LayerNorm's backward (layer_norm_grad_input_kernel_vectorized, 2.44 ms a step; GammaBetaBackward, "
+        '1.78 ms)')),
+    'bn_statistics': (0.135, (
+        "BatchNorm's statistics kernel (batch_norm_collect_statistics_channels_last): 4.61 ms a step in the "
+        'H200 profile on the 0.60 GB this model counts for it')),
+    'bn_transform': (0.56, (
+        "BatchNorm's normalising pass (batch_norm_transform_input_channels_last): 2.32 ms a step")),
+    'bn_backward_reduce': (0.46, (
+        "BatchNorm's backward reduction (batch_norm_backward_reduce_channels_last): 2.76 ms a step")),
+    'bn_backward_elementwise': (0.64, (
+        "BatchNorm's backward elementwise pass (batch_norm_backward_elemt_channels_last): 2.94 ms a step")),
+    'transpose': (0.45, (
+        "cuDNN's layout transposes of NCHW activations (nchwToNhwcKernel): fitted to the native NCHW "
+        'ResNet-50 inference step on the H200 (25.1 ms against 16.5 ms channels-last); no profile of an NCHW '
+        'step exists')),
+    'pool': (0.25, (
+        "max pooling's forward and backward (one each in ResNet): 0.42 and 0.91 ms in the H200 profile")),
+    'gemm': (0.55, (
+        "cuDNN's and cuBLAS's convolutions and GEMMs of the native ResNet-50 train step in the H200 profile: "
+        'forward 3.08 ms, backward 5.51 ms a step')),
+    'depthwise': (0.17, (
+        "cuDNN's bfloat16 depthwise 7x7 forward (ConvNeXt) on CUDA cores: conv2d_c1_k1_nhwc_specialized, "
+        '131.5 us a call in the H200 profile')),
+    'depthwise_dgrad': (0.084, (
+        'its data gradient: dgrad2d_c1_k1_nhwc_specialized, 267.6 us a call')),
+    'depthwise_wgrad': (0.23, (
+        'its weight gradient: wgrad2d_c1_k1_nhwc, 96.1 us a call')),
+    'depthwise_fp32': (0.072, (
+        "a float32 depthwise 7x7 convolution (the torch path's box filter): conv2d_c1_k1_nhwc, 311 us a call "
+        'in the patchnorm ConvNeXt profile')),
+    'gemv': (0.25, (
+        'matrix-vector products (a matrix product with a dimension of 1): cuBLAS gemvx kernels, 2.73 ms a '
+        'step in the patchnorm ResNet-50 profile')),
+    'batched_dot': (0.08, (
+        'batched products of 1 x K by K x 1 matrices (row dot products): aten::bmm, 167-177 us a call in the '
+        'patchnorm profiles')),
+    'triton': (0.85, (
+        'the fused kernels (not yet run on a GPU): the bar of docs/gpu-kernels.md, 85% of bandwidth, an '
+        'assumption until measured')),
+    'issue': (0.5, (
+        'instruction issue of the fused kernels: half of one instruction a scheduler per clock (loads, '
+        'integer index arithmetic and masks share the issue slots), an assumption')),
 }
 
 FLOOR_S = 3e-6  # a launch's own cost on the GPU: ~1 us the shortest kernel, ~2 us between kernels (H200 profile)
@@ -256,7 +273,10 @@ class CudaAutocast:
         dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == 'dtype'), None)
 
         def cast_all(args, kwargs, dtype):
-            cast = lambda v: [self._cast(t, dtype) for t in v] if isinstance(v, (list, tuple)) else self._cast(v, dtype)
+            def cast(value):
+                if isinstance(value, (list, tuple)):
+                    return [self._cast(t, dtype) for t in value]
+                return self._cast(value, dtype)
             return [cast(a) for a in args], {k: cast(v) for k, v in kwargs.items()}
 
         def kernel(*args, **kwargs):
@@ -297,6 +317,7 @@ class Launch:
     math: str = 'bf16'
     count: int = 1
     cpu: float = 0.
+    bound: int = 0
     kind: str = ''
     phase: str = ''
 
@@ -532,7 +553,8 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
             read += _map_bytes(n, groups, positions)
         else:
             read += dram_bytes(named['b_ptr'])
-            instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'])
+            instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'],
+                                            constexprs['ONE_GROUP'])
         if constexprs['STORE_M']:
             written += _map_bytes(n, groups, positions)
         if constexprs['SUM']:
@@ -558,17 +580,33 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
 
 
 #: Instructions issued per element and window tap by the box filter inside `_scale_kernel`, by `BOX` (1: a
-#: convolution's window, 2: its adjoint) and whether the compiler unrolls the window (up to 4 x 4) or loops over
-#: its rows: from the SASS of the sm_90a specialisations a 64 px step launches (`cuobjdump -sass`: the loop body's
-#: instructions, or the unrolled window's over the same kernel without a box, divided by the taps and the 4 elements
-#: a thread holds). The window's index arithmetic, bounds masks and scalar loads are per element: nothing is shared
-#: between the channels of a tile.
-INSTRUCTIONS_PER_TAP = {(1, True): 4.7, (1, False): 9.0, (2, True): 5.1, (2, False): 5.3}
+#: convolution's window, 2: its adjoint) and `ONE_GROUP` (a one-channel map: the window once a position, shared by the
+#: channels a thread holds; otherwise once an element, as a depthwise map's): from the SASS of the sm_90a
+#: specialisations a 64 px step launches (`cuobjdump -sass`; the window loop's instructions a thread issues, over the
+#: taps and the 4 elements a thread holds).
+INSTRUCTIONS_PER_TAP = {(1, True): 2.7, (1, False): 5.4, (2, True): 5.0, (2, False): 5.2}
 
 
-def box_instructions(elements: int, box: int, kh: int, kw: int) -> float:
+def box_instructions(elements: int, box: int, kh: int, kw: int, one_group: bool) -> float:
     """Instructions the box filter of a `_scale_kernel` launch issues over `elements` output elements."""
-    return elements * kh * kw * INSTRUCTIONS_PER_TAP[(box, kh * kw <= 16)]
+    return elements * kh * kw * INSTRUCTIONS_PER_TAP[(box, one_group)]
+
+
+def lower_bound(op: str, args: Sequence, out) -> int:
+    """ The bytes a PatchNorm op must move at least, by the measure of issue 39: what BatchNorm would also read and
+    write in its place (the output pass: read `y`, write the output; the backward: read the gradient and `y`, write
+    `dL/dy`) plus the input's squared norms (one read of `x`, forward and backward). The maps (one channel per group)
+    and the `dx` update's read-modify-write (which the convolution's input-gradient epilogue could take) are not in
+    it."""
+    if op in ('patchnorm_conv2d', 'affine_div_linear'):
+        return dram_bytes(args[0]) + 2 * dram_bytes(out[1])
+    if op in ('patchnorm_conv2d_backward', 'affine_div_linear_backward'):
+        return dram_bytes(args[1]) + 3 * dram_bytes(args[3])
+    if op == 'l2_normalise_channels':
+        return 2 * dram_bytes(args[0])
+    if op == 'l2_normalise_channels_backward':
+        return 3 * dram_bytes(args[1])
+    return 0
 
 
 # --- labels: which layer kind a launch belongs to -----------------------------------------------------------------
@@ -622,9 +660,11 @@ class Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         body = self.bodies.get(func)
         if body is not None:
-            self.add(Launch(_name(func), 'host', 0, 0, count=0, cpu=CPU_COSTS['custom_op']))
             with self:
-                return body(*args, **kwargs)
+                out = body(*args, **kwargs)
+            self.add(Launch(_name(func), 'host', 0, 0, count=0, cpu=CPU_COSTS['custom_op'],
+                            bound=lower_bound(_name(func), args, out)))
+            return out
         out = func(*args, **kwargs)
         launches = aten_launches(func, args, kwargs, out)
         for i, launch in enumerate(launches):
@@ -824,6 +864,9 @@ class Prediction:
     by_kind: Dict[str, float]
     by_phase: Dict[str, float]
     by_op: Dict[str, float]
+    by_kind_bytes: Dict[str, int]
+    triton_bytes: int
+    bound_bytes: int
 
     @property
     def seconds(self) -> float:
@@ -833,6 +876,7 @@ class Prediction:
 def predict(step: Step, launches: List[Launch], gpu_key: str) -> Prediction:
     gpu = GPUS[gpu_key]
     by_kind, by_phase, by_op = collections.Counter(), collections.Counter(), collections.Counter()
+    by_kind_bytes = collections.Counter()
     total = 0.
     for launch in launches:
         seconds = launch_seconds(launch, gpu)
@@ -840,9 +884,12 @@ def predict(step: Step, launches: List[Launch], gpu_key: str) -> Prediction:
         by_kind[launch.kind] += seconds
         by_phase[launch.phase] += seconds
         by_op[launch.op] += seconds
+        by_kind_bytes[launch.kind] += launch.bytes
     return Prediction(step, gpu_key, total, sum(launch.cpu for launch in launches),
                       sum(launch.count for launch in launches), sum(launch.bytes for launch in launches),
-                      sum(launch.flops for launch in launches), dict(by_kind), dict(by_phase), dict(by_op))
+                      sum(launch.flops for launch in launches), dict(by_kind), dict(by_phase), dict(by_op),
+                      dict(by_kind_bytes), sum(launch.bytes for launch in launches if launch.engine == 'triton'),
+                      sum(launch.bound for launch in launches))
 
 
 # --- the command --------------------------------------------------------------------------------------------------
@@ -903,6 +950,12 @@ def print_predictions(rows: List[Prediction], top: int) -> None:
             print(f'| {kind} | ' + ' | '.join(_ms(p.by_kind.get(kind, 0.)) for p in variants.values()) + ' |')
         print('| GB moved / launches | ' + ' | '.join(f'{p.bytes / 1e9:.1f} / {p.launches}'
                                                     for p in variants.values()) + ' |')
+        print("| the norm's GB | " + ' | '.join(f"{p.by_kind_bytes.get('norm', 0) / 1e9:.1f}"
+                                               for p in variants.values()) + ' |')
+        fused = variants.get('patchnorm (triton)')
+        if fused is not None and fused.bound_bytes:
+            print(f'\nThe Triton kernels move {fused.triton_bytes / 1e9:.2f} GB where PatchNorm must move '
+                  f'{fused.bound_bytes / 1e9:.2f} GB ({fused.triton_bytes / fused.bound_bytes:.2f}x its lower bound).')
 
 
 def print_calibration(rows: List[Prediction]) -> None:
@@ -926,7 +979,8 @@ def _as_json(p: Prediction) -> dict:
     return dict(step=dataclasses.asdict(p.step), variant=p.step.label, gpu=p.gpu, predicted_ms=p.seconds * 1e3,
                 gpu_ms=p.gpu_s * 1e3, cpu_ms=p.cpu_s * 1e3, launches=p.launches, bytes=p.bytes, flops=p.flops,
                 by_kind_ms={k: v * 1e3 for k, v in p.by_kind.items()},
-                by_phase_ms={k: v * 1e3 for k, v in p.by_phase.items()},
+                by_phase_ms={k: v * 1e3 for k, v in p.by_phase.items()}, by_kind_bytes=p.by_kind_bytes,
+                triton_bytes=p.triton_bytes, lower_bound_bytes=p.bound_bytes,
                 by_op_ms={k: v * 1e3 for k, v in p.by_op.items()})
 
 
@@ -983,7 +1037,8 @@ def main(argv=None) -> int:
         parameters = dict(gpus={k: dataclasses.asdict(g) for k, g in GPUS.items()},
                           fractions={k: dict(fraction=f, source=src) for k, (f, src) in FRACTIONS.items()},
                           floor_s=FLOOR_S, cpu_costs_s=CPU_COSTS,
-                          instructions_per_tap={f'box {b}, unrolled {u}': v for (b, u), v in INSTRUCTIONS_PER_TAP.items()})
+                          instructions_per_tap={f'box {box}, one group {one}': v
+                                                for (box, one), v in INSTRUCTIONS_PER_TAP.items()})
         atomic_write(args.json, json.dumps(dict(
             torch=torch.__version__, timm=timm.__version__, parameters=parameters,
             measured_h200_s={'/'.join(k): v for k, v in MEASURED_H200.items()},

@@ -140,8 +140,7 @@ def _sum_partials(part_ptr, sums_ptr, block, C, R, COLUMNS, BR: tl.constexpr, BC
     tl.store(sums_ptr + column, tl.sum(acc, axis=0), mask=column_mask)
 
 
-@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB', 'smn', 'smg', 'smh', 'MH', 'MW', 'SH', 'SW', 'PH', 'PW', 'DH',
-                               'DW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
+@triton.jit(do_not_specialize=['W', 'G', 'NPB', 'MH', 'MW', 'PH', 'PW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
 def _scale_kernel(
         y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
         out_ptr, son, soc, soh, sow, m_out_ptr, C, P, W, CPG, G, NPB, alpha,
@@ -150,7 +149,7 @@ def _scale_kernel(
         BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
         HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
         I64: tl.constexpr, BOX: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SQUARE: tl.constexpr,
-        STORE_M: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BCOL: tl.constexpr):
+        STORE_M: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BCOL: tl.constexpr, ONE_GROUP: tl.constexpr):
     """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m'[n, c // CPG, p] + pb[c])`, `m' = rsqrt(m)` (`RSQRT`)
     or `m`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three).
 
@@ -162,6 +161,9 @@ def _scale_kernel(
 
     `SUM`: the first `SUM_PROGRAMS` rows of programs sum partials of another kernel over their `R` rows instead
     (`_sum_partials`, `PC` channels), so the sum costs no launch of its own.
+
+    `ONE_GROUP`: `m` has one channel (`G` 1), which every channel of the tile reads: its load or window sum and its
+    rsqrt are computed once a position (a `(BP, 1)` column) instead of once an element.
     """
     pid = tl.program_id(0)
     if SUM:
@@ -174,17 +176,26 @@ def _scale_kernel(
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (p < P)[:, None] & (c < C)[None, :]
     y_offsets = _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
-    group = c[None, :] // CPG
+    if ONE_GROUP:
+        # one map channel for every channel: its value (window sum, rsqrt) once a position, broadcast over the tile
+        group = tl.zeros([1, 1], tl.int32)
+        m_mask = (p < P)[:, None]
+        first = m_mask & (tl.program_id(1) == 0)
+        m_width: tl.constexpr = 1
+    else:
+        group = c[None, :] // CPG
+        m_mask = mask
+        first = mask & ((c % CPG) == 0)[None, :]
+        m_width: tl.constexpr = BC
     if BOX == 0:
-        m = tl.load(b_ptr + _map_index(n, G, group, P, p[:, None], I64), mask=mask, other=1.)
+        m = tl.load(b_ptr + _map_index(n, G, group, P, p[:, None], I64), mask=m_mask, other=1.)
     else:
         m = _window_sum(b_ptr, n, group, (p // W)[:, None], (p % W)[:, None], smn, smg, smh, smw, MH, MW, SH, SW,
-                        PH, PW, DH, DW, mask, BP, BC, KH, KW, BOX == 2, SQUARE, I64)
+                        PH, PW, DH, DW, m_mask, BP, m_width, KH, KW, BOX == 2, SQUARE, I64)
         if BOX == 1:
             m = m * box_scale + box_offset
-        m = tl.where(mask, m, 1.)
+        m = tl.where(m_mask, m, 1.)
         if STORE_M:
-            first = mask & ((c % CPG) == 0)[None, :]
             tl.store(m_out_ptr + _map_index(n, G, group, P, p[:, None], I64), m, mask=first)
     if RSQRT:
         m = tl.rsqrt(m)
@@ -453,7 +464,7 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
         HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
         FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), BOX=box_kind, KH=kh, KW=kw,
         SQUARE=box is not None and box.squares, STORE_M=m_out is not None, SUM=partials is not None,
-        BR=_SUM_ROWS, BCOL=_SUM_COLUMNS, num_warps=_WARPS)
+        BR=_SUM_ROWS, BCOL=_SUM_COLUMNS, ONE_GROUP=groups == 1, num_warps=_WARPS)
     return out
 
 
