@@ -563,6 +563,10 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
             read += named['part_ptr'].numel() * 4
             written += named['sums_ptr'].numel() * 4
         return Launch(name, 'triton', read, written, instructions=instructions)
+    if name == '_box_filter_kernel':
+        r = named['r_ptr']
+        return Launch(name, 'triton', dram_bytes(named['map_ptr']), dram_bytes(r),
+                      instructions=box_instructions(r.numel(), 'rows', constexprs['KH'], constexprs['KW'], False))
     if name == '_scale_backward_kernel':
         g, y = named['g_ptr'], named['y_ptr']
         n, c, h, w = y.shape
@@ -581,15 +585,16 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
     raise ValueError(f'no byte count for the Triton kernel {name}')
 
 
-#: Instructions issued per element and window tap by the box filter inside `_scale_kernel`, by `BOX` (1: a
-#: convolution's window, 2: its adjoint) and `ONE_GROUP` (a one-channel map: the window once a position, shared by the
-#: channels a thread holds; otherwise once an element, as a depthwise map's): from the SASS of the sm_90a
-#: specialisations a 64 px step launches (`cuobjdump -sass`; the window loop's instructions a thread issues, over the
-#: taps and the 4 elements a thread holds).
-INSTRUCTIONS_PER_TAP = {(1, True): 2.7, (1, False): 5.4, (2, True): 5.0, (2, False): 5.2}
+#: Instructions issued per element and window tap by a box filter, by `BOX` (1: a convolution's window, 2: its
+#: adjoint) and `ONE_GROUP` (a one-channel map: the window once a position, shared by the channels a thread holds;
+#: otherwise once an element, as a depthwise map's), and for the first pass of a window split in two
+#: (`_box_filter_kernel`, 'rows'): from the SASS of the sm_90a specialisations a 64 px step launches
+#: (`cuobjdump -sass`): the window's instructions a thread issues over the taps and the 4 elements it holds (for the
+#: split pass, all its instructions: an upper bound).
+INSTRUCTIONS_PER_TAP = {(1, True): 2.7, (1, False): 5.4, (2, True): 5.0, (2, False): 5.2, ('rows', False): 9.0}
 
 
-def box_instructions(elements: int, box: int, kh: int, kw: int, one_group: bool) -> float:
+def box_instructions(elements: int, box, kh: int, kw: int, one_group: bool) -> float:
     """Instructions the box filter of a `_scale_kernel` launch issues over `elements` output elements."""
     return elements * kh * kw * INSTRUCTIONS_PER_TAP[(box, one_group)]
 

@@ -93,7 +93,10 @@ GEOMETRIES = {
     'grouped': (4, 6, 3, dict(groups=2, padding=1)),
     'depthwise': (4, 4, 3, dict(groups=4, padding=1)),
     'depthwise-strided': (4, 8, 3, dict(groups=4, stride=2, padding=1)),
+    'depthwise-7x7': (4, 4, 7, dict(groups=4, padding=3)),
+    'depthwise-5x5-strided': (4, 8, 5, dict(groups=4, stride=2, padding=2)),
     'dilated': (4, 6, 3, dict(dilation=2, padding=2)),
+    'dilated-5x5-strided': (4, 6, 5, dict(dilation=2, stride=2, padding=4)),
     'asymmetric-same': (4, 6, 4, dict(padding='same')),
     'reflect': (4, 6, 3, dict(padding=1, padding_mode='reflect')),
     'wide-1x1': (3, 8, 1, {}),
@@ -311,6 +314,35 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
         results.append((out, b, adjoint))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('geometry', ['depthwise-7x7', 'depthwise-5x5-strided', 'dilated-5x5-strided'])
+def test_a_large_window_sums_rows_then_columns(geometry):
+    """A window larger than 3 x 3 sums in two passes (`_separable`): its rows into a float32 map, then its columns in
+    the output pass, and the adjoint in the reverse order; both give the one-pass window's sums."""
+    from timm_affinediv.layers.kernels import _torch, _triton, ops
+    from timm_affinediv.layers.patches import BoxFilter
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    geo = [list(conv.kernel_size), list(conv.stride), list(conv.padding), list(conv.dilation)]
+    assert ops._separable(geo[0])
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, 11, 9).to(memory_format=torch.channels_last)
+    y = conv(x).detach()
+    depthwise = conv.groups == cin
+    m = x if depthwise else torch.rand(2, conv.groups, 11, 9)
+    t = torch.rand(2, conv.groups, *y.shape[2:])
+    rows, columns = ops._rows_and_columns(*geo)
+    whole = _torch.scale(y, m, box=BoxFilter(*map(tuple, geo), divisor=5, offset=0.1, squares=depthwise))
+    whole_adjoint = _torch.scale(x, t, rsqrt=False, box=BoxFilter(*map(tuple, geo), adjoint=True))
+    for kernels in (_triton, _torch):
+        r = kernels.box_filter(m, ops._box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
+        split = kernels.scale(y, r, box=ops._box(*columns, divisor=5, offset=0.1))
+        r = kernels.box_filter(t, ops._box(*columns, adjoint=True), (x.shape[2], y.shape[3]))
+        split_adjoint = kernels.scale(x, r, rsqrt=False, box=ops._box(*rows, adjoint=True))
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split_adjoint, whole_adjoint, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter

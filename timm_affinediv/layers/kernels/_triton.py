@@ -140,6 +140,24 @@ def _sum_partials(part_ptr, sums_ptr, block, C, R, COLUMNS, BR: tl.constexpr, BC
     tl.store(sums_ptr + column, tl.sum(acc, axis=0), mask=column_mask)
 
 
+@triton.jit(do_not_specialize=['W', 'NPB', 'MH', 'MW', 'PH', 'PW'])
+def _box_filter_kernel(
+        map_ptr, smn, smg, smh, smw, r_ptr, srn, src, srh, srw, C, P, W, NPB, MH, MW, SH, SW, PH, PW, DH, DW, scale,
+        offset, BP: tl.constexpr, BC: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, ADJOINT: tl.constexpr,
+        SQUARE: tl.constexpr, FLAT: tl.constexpr, I64: tl.constexpr):
+    """ `r[n, c, p] = scale * sum + offset`, the box filter's sum (`_window_sum`; `SQUARE`: of the squares) of the
+    map's channel `c` at each position `p` of `r`: one pass of a window split in two (rows, then columns), each
+    channel its own."""
+    pid = tl.program_id(0)
+    n = pid // NPB
+    p = (pid % NPB) * BP + tl.arange(0, BP)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (p < P)[:, None] & (c < C)[None, :]
+    m = _window_sum(map_ptr, n, c[None, :], (p // W)[:, None], (p % W)[:, None], smn, smg, smh, smw, MH, MW, SH, SW,
+                    PH, PW, DH, DW, mask, BP, BC, KH, KW, ADJOINT, SQUARE, I64)
+    tl.store(r_ptr + _offsets(n, p, c, srn, src, srh, srw, W, FLAT, I64), m * scale + offset, mask=mask)
+
+
 @triton.jit(do_not_specialize=['W', 'G', 'NPB', 'MH', 'MW', 'PH', 'PW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
 def _scale_kernel(
         y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
@@ -419,6 +437,22 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     _launch(_channel_sq_norm_kernel, grid, x, *x.stride(), q, c, p, w, cpg, groups, npb, alpha, beta,
             BP=bp, BC=bc, GROUPED=grouped, FLAT=_flat(x), I64=_i64(x, q), num_warps=_WARPS)
     return q
+
+
+def box_filter(m: torch.Tensor, box: BoxFilter, size) -> torch.Tensor:
+    """`box` applied to the map `m` (its squares where `box.squares`), every channel its own: a float32 map of (H, W)
+    `size`, channels-last."""
+    n, c = m.shape[:2]
+    h, w = size
+    r = torch.empty((n, c, h, w), device=m.device, dtype=torch.float32).to(memory_format=torch.channels_last)
+    p = h * w
+    bp, bc = _tiles(c, p, r, _TILE // 2)
+    npb = triton.cdiv(p, bp)
+    _launch(_box_filter_kernel, (n * npb, triton.cdiv(c, bc)), m, *m.stride(), r, *r.stride(), c, p, w, npb,
+            *m.shape[2:], *box.stride, *box.padding, *box.dilation, 1. / box.divisor, box.offset,
+            BP=bp, BC=bc, KH=box.kernel_size[0], KW=box.kernel_size[1], ADJOINT=box.adjoint, SQUARE=box.squares,
+            FLAT=_flat(r), I64=_i64(m, r), num_warps=_WARPS)
+    return r
 
 
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
