@@ -444,7 +444,7 @@ def box_filter(m: torch.Tensor, box: BoxFilter, size) -> torch.Tensor:
     `size`, channels-last."""
     n, c = m.shape[:2]
     h, w = size
-    r = torch.empty((n, c, h, w), device=m.device, dtype=torch.float32).to(memory_format=torch.channels_last)
+    r = torch.empty((n, c, h, w), device=m.device, dtype=torch.float32, memory_format=torch.channels_last)
     p = h * w
     bp, bc = _tiles(c, p, r, _TILE // 2)
     npb = triton.cdiv(p, bp)
