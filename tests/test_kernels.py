@@ -287,6 +287,18 @@ def _fallback_layer(layer: str) -> nn.Module:
     return norm
 
 
+def _box_filter_inputs(geometry: str, h: int, w: int):
+    """`(conv, x, y, m, t)`: a convolution of `GEOMETRIES`, a channels-last input of `h x w`, its output, the map its
+    box filter sums (`x` itself for a depthwise map) and a map at its output positions for the adjoint."""
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, h, w).to(memory_format=torch.channels_last)
+    y = conv(x).detach()
+    m = x if conv.groups == cin else torch.rand(2, conv.groups, h, w)
+    return conv, x, y, m, torch.rand(2, conv.groups, *y.shape[2:])
+
+
 @needs_interpreter
 @pytest.mark.parametrize('geometry', ['3x3', 'strided', 'dilated', 'rect-kernel', 'depthwise-strided'])
 def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
@@ -295,15 +307,9 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
     of `x` alike."""
     from timm_affinediv.layers.kernels import _torch, _triton
     from timm_affinediv.layers.patches import BoxFilter
-    cin, cout, k, kwargs = GEOMETRIES[geometry]
-    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    conv, x, y, m, t = _box_filter_inputs(geometry, 9, 7)
     geo = dict(kernel_size=conv.kernel_size, stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
-    torch.manual_seed(0)
-    x = torch.randn(2, cin, 9, 7).to(memory_format=torch.channels_last)
-    y = conv(x).detach()
-    depthwise = conv.groups == cin
-    m = x if depthwise else torch.rand(2, conv.groups, 9, 7)
-    t = torch.rand(2, conv.groups, *y.shape[2:])
+    depthwise = conv.groups == x.shape[1]
     results = []
     for kernels in (_triton, _torch):
         b = torch.empty(2, conv.groups, *y.shape[2:])
@@ -323,16 +329,10 @@ def test_a_large_window_sums_rows_then_columns(geometry):
     the output pass, and the adjoint in the reverse order; both give the one-pass window's sums."""
     from timm_affinediv.layers.kernels import _torch, _triton, ops
     from timm_affinediv.layers.patches import BoxFilter
-    cin, cout, k, kwargs = GEOMETRIES[geometry]
-    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    conv, x, y, m, t = _box_filter_inputs(geometry, 11, 9)
     geo = [list(conv.kernel_size), list(conv.stride), list(conv.padding), list(conv.dilation)]
     assert ops._separable(geo[0])
-    torch.manual_seed(0)
-    x = torch.randn(2, cin, 11, 9).to(memory_format=torch.channels_last)
-    y = conv(x).detach()
-    depthwise = conv.groups == cin
-    m = x if depthwise else torch.rand(2, conv.groups, 11, 9)
-    t = torch.rand(2, conv.groups, *y.shape[2:])
+    depthwise = conv.groups == x.shape[1]
     rows, columns = ops._rows_and_columns(*geo)
     whole = _torch.scale(y, m, box=BoxFilter(*map(tuple, geo), divisor=5, offset=0.1, squares=depthwise))
     whole_adjoint = _torch.scale(x, t, rsqrt=False, box=BoxFilter(*map(tuple, geo), adjoint=True))
