@@ -556,7 +556,7 @@ def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
         else:
             read += dram_bytes(named['b_ptr'])
             instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'],
-                                            constexprs['ONE_GROUP'])
+                                            constexprs.get('ONE_GROUP', False))
         if constexprs['STORE_M']:
             written += _map_bytes(n, groups, positions)
         if constexprs['SUM']:
