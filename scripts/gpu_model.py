@@ -508,6 +508,10 @@ def aten_launches(func, args, kwargs, out) -> List[Launch]:
         sources = [t for t in ins[1:] if t.numel() > 1] if name in ('copy_', 'masked_fill_', 'index_put_') else []
         return [Launch(name, _layout_engine(sources, outs[:1]) if sources else 'stream', read(sources),
                        dram_bytes(outs[0]) if outs else 0)]
+    if name.startswith('_scaled_dot_product_flash_attention'):  # the CPU's variant stands for CUDA's flash kernel
+        q, k = args[1:3] if name.endswith('_backward') else args[:2]
+        flops = 4. * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+        return [Launch(name, 'gemm', read(ins), read(outs), flops * (2.5 if name.endswith('_backward') else 1.))]
     if name in GEMMS:
         unit = any(1 in t.shape[-2:] for t in ins if t.dim() >= 2)
         engine = 'gemm'
