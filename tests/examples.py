@@ -223,6 +223,8 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},
+    'scripts/gpu_model.py': {'--models': ['resnet50'], '--batch-train': ['2'], '--batch-infer': ['2'],
+                             '--img-size': ['64'], '--layouts': ['channels_last']},
 }
 #: Scripts that run in a child process without these variables of the test process: kernel_registers.py compiles
 #: the kernels, which the interpreter the kernel tests run (TRITON_INTERPRET=1) makes impossible.

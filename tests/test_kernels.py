@@ -93,7 +93,10 @@ GEOMETRIES = {
     'grouped': (4, 6, 3, dict(groups=2, padding=1)),
     'depthwise': (4, 4, 3, dict(groups=4, padding=1)),
     'depthwise-strided': (4, 8, 3, dict(groups=4, stride=2, padding=1)),
+    'depthwise-7x7': (4, 4, 7, dict(groups=4, padding=3)),
+    'depthwise-5x5-strided': (4, 8, 5, dict(groups=4, stride=2, padding=2)),
     'dilated': (4, 6, 3, dict(dilation=2, padding=2)),
+    'dilated-5x5-strided': (4, 6, 5, dict(dilation=2, stride=2, padding=4)),
     'asymmetric-same': (4, 6, 4, dict(padding='same')),
     'reflect': (4, 6, 3, dict(padding=1, padding_mode='reflect')),
     'wide-1x1': (3, 8, 1, {}),
@@ -284,6 +287,18 @@ def _fallback_layer(layer: str) -> nn.Module:
     return norm
 
 
+def _box_filter_inputs(geometry: str, h: int, w: int):
+    """`(conv, x, y, m, t)`: a convolution of `GEOMETRIES`, a channels-last input of `h x w`, its output, the map its
+    box filter sums (`x` itself for a depthwise map) and a map at its output positions for the adjoint."""
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    torch.manual_seed(0)
+    x = torch.randn(2, cin, h, w).to(memory_format=torch.channels_last)
+    y = conv(x).detach()
+    m = x if conv.groups == cin else torch.rand(2, conv.groups, h, w)
+    return conv, x, y, m, torch.rand(2, conv.groups, *y.shape[2:])
+
+
 @needs_interpreter
 @pytest.mark.parametrize('geometry', ['3x3', 'strided', 'dilated', 'rect-kernel', 'depthwise-strided'])
 def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
@@ -292,15 +307,9 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
     of `x` alike."""
     from timm_affinediv.layers.kernels import _torch, _triton
     from timm_affinediv.layers.patches import BoxFilter
-    cin, cout, k, kwargs = GEOMETRIES[geometry]
-    conv = nn.Conv2d(cin, cout, k, **kwargs)
+    conv, x, y, m, t = _box_filter_inputs(geometry, 9, 7)
     geo = dict(kernel_size=conv.kernel_size, stride=conv.stride, padding=conv.padding, dilation=conv.dilation)
-    torch.manual_seed(0)
-    x = torch.randn(2, cin, 9, 7).to(memory_format=torch.channels_last)
-    y = conv(x).detach()
-    depthwise = conv.groups == cin
-    m = x if depthwise else torch.rand(2, conv.groups, 9, 7)
-    t = torch.rand(2, conv.groups, *y.shape[2:])
+    depthwise = conv.groups == x.shape[1]
     results = []
     for kernels in (_triton, _torch):
         b = torch.empty(2, conv.groups, *y.shape[2:])
@@ -311,6 +320,29 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
         results.append((out, b, adjoint))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize('geometry', ['depthwise-7x7', 'depthwise-5x5-strided', 'dilated-5x5-strided'])
+def test_a_large_window_sums_rows_then_columns(geometry):
+    """A window larger than 3 x 3 sums in two passes (`_separable`): its rows into a float32 map, then its columns in
+    the output pass, and the adjoint in the reverse order; both give the one-pass window's sums."""
+    from timm_affinediv.layers.kernels import _torch, _triton, ops
+    from timm_affinediv.layers.patches import BoxFilter
+    conv, x, y, m, t = _box_filter_inputs(geometry, 11, 9)
+    geo = [list(conv.kernel_size), list(conv.stride), list(conv.padding), list(conv.dilation)]
+    assert ops._separable(geo[0])
+    depthwise = conv.groups == x.shape[1]
+    rows, columns = ops._rows_and_columns(*geo)
+    whole = _torch.scale(y, m, box=BoxFilter(*map(tuple, geo), divisor=5, offset=0.1, squares=depthwise))
+    whole_adjoint = _torch.scale(x, t, rsqrt=False, box=BoxFilter(*map(tuple, geo), adjoint=True))
+    for kernels in (_triton, _torch):
+        r = kernels.box_filter(m, ops._box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
+        split = kernels.scale(y, r, box=ops._box(*columns, divisor=5, offset=0.1))
+        r = kernels.box_filter(t, ops._box(*columns, adjoint=True), (x.shape[2], y.shape[3]))
+        split_adjoint = kernels.scale(x, r, rsqrt=False, box=ops._box(*rows, adjoint=True))
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(split_adjoint, whole_adjoint, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
@@ -405,7 +437,8 @@ def _wrong(launcher, how: str):
 @pytest.mark.parametrize('launcher, how, step', [
     ('scale', 'last channel lost', 'the output pass (_scale_kernel) of a 3x3 map'),
     ('scale_backward', 't off', 'the backward pass (_scale_backward_kernel) of a 3x3 map'),
-    ('channel_sq_norm', 'norm off', 'the patch norms (_channel_sq_norm_kernel, _scale_kernel) of a 3x3 map'),
+    ('channel_sq_norm', 'norm off',
+     'the patch norms (_channel_sq_norm_kernel, _box_filter_kernel, _scale_kernel) of a 3x3 map'),
 ], ids=['output-pass', 'backward', 'patch-norms'])
 def test_kernel_that_returns_wrong_values_is_caught_at_first_use(launcher, how, step, kernels, monkeypatch):
     """The kernels' self-check at their first use on a device, dtype and layout catches a kernel that runs but
@@ -456,7 +489,7 @@ def test_self_check_runs_once_per_device_dtype_and_layout_and_keeps_the_random_s
     assert torch.equal(after, torch.randn(1))  # the two forward passes drew no random numbers
     assert list(dispatch.SELF_CHECKS) == [('cpu', torch.float32, 'contiguous')]
     assert dispatch.SELF_CHECKS[('cpu', torch.float32, 'contiguous')] is None
-    assert len(calls) == 4 + 2  # the check's five cases but the depthwise map's, then one launch each forward
+    assert len(calls) == 5 + 2  # the check's seven cases but the depthwise maps', then one launch each forward
     module(x.to(torch.bfloat16))
     assert set(dispatch.SELF_CHECKS) == {('cpu', torch.float32, 'contiguous'), ('cpu', torch.bfloat16, 'contiguous')}
 

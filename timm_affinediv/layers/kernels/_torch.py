@@ -28,6 +28,10 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     return _channel_sq_norm(x, groups).float().mul(alpha).add(beta).contiguous()
 
 
+def box_filter(m: torch.Tensor, box: BoxFilter, size) -> torch.Tensor:
+    return box(m.float() if not box.squares else m, size).float().contiguous(memory_format=torch.channels_last)
+
+
 def _per_channel_vector(v: torch.Tensor) -> torch.Tensor:
     return v.float()[:, None, None]
 

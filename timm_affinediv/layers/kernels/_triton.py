@@ -140,8 +140,25 @@ def _sum_partials(part_ptr, sums_ptr, block, C, R, COLUMNS, BR: tl.constexpr, BC
     tl.store(sums_ptr + column, tl.sum(acc, axis=0), mask=column_mask)
 
 
-@triton.jit(do_not_specialize=['W', 'CPG', 'G', 'NPB', 'smn', 'smg', 'smh', 'MH', 'MW', 'SH', 'SW', 'PH', 'PW', 'DH',
-                               'DW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
+@triton.jit(do_not_specialize=['W', 'NPB', 'MH', 'MW', 'PH', 'PW'])
+def _box_filter_kernel(
+        map_ptr, smn, smg, smh, smw, r_ptr, srn, src, srh, srw, C, P, W, NPB, MH, MW, SH, SW, PH, PW, DH, DW, scale,
+        offset, BP: tl.constexpr, BC: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, ADJOINT: tl.constexpr,
+        SQUARE: tl.constexpr, FLAT: tl.constexpr, I64: tl.constexpr):
+    """ `r[n, c, p] = scale * sum + offset`, the box filter's sum (`_window_sum`; `SQUARE`: of the squares) of the
+    map's channel `c` at each position `p` of `r`: one pass of a window split in two (rows, then columns), each
+    channel its own."""
+    pid = tl.program_id(0)
+    n = pid // NPB
+    p = (pid % NPB) * BP + tl.arange(0, BP)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = (p < P)[:, None] & (c < C)[None, :]
+    m = _window_sum(map_ptr, n, c[None, :], (p // W)[:, None], (p % W)[:, None], smn, smg, smh, smw, MH, MW, SH, SW,
+                    PH, PW, DH, DW, mask, BP, BC, KH, KW, ADJOINT, SQUARE, I64)
+    tl.store(r_ptr + _offsets(n, p, c, srn, src, srh, srw, W, FLAT, I64), m * scale + offset, mask=mask)
+
+
+@triton.jit(do_not_specialize=['W', 'G', 'NPB', 'MH', 'MW', 'PH', 'PW', 'PC', 'R', 'COLUMNS', 'SUM_PROGRAMS'])
 def _scale_kernel(
         y_ptr, syn, syc, syh, syw, b_ptr, bias_ptr, gain_ptr, pb_ptr, base_ptr, sbn, sbc, sbh, sbw,
         out_ptr, son, soc, soh, sow, m_out_ptr, C, P, W, CPG, G, NPB, alpha,
@@ -150,7 +167,7 @@ def _scale_kernel(
         BP: tl.constexpr, BC: tl.constexpr, RSQRT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GAIN: tl.constexpr,
         HAS_PB: tl.constexpr, HAS_BASE: tl.constexpr, ACT: tl.constexpr, FLAT: tl.constexpr, SAME: tl.constexpr,
         I64: tl.constexpr, BOX: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, SQUARE: tl.constexpr,
-        STORE_M: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BCOL: tl.constexpr):
+        STORE_M: tl.constexpr, SUM: tl.constexpr, BR: tl.constexpr, BCOL: tl.constexpr, ONE_GROUP: tl.constexpr):
     """ `out = act(base + alpha * gain[c] * (y + bias[c]) * m'[n, c // CPG, p] + pb[c])`, `m' = rsqrt(m)` (`RSQRT`)
     or `m`; `SAME`: `base` and `out` have `y`'s strides (one tile of offsets serves the three).
 
@@ -162,6 +179,9 @@ def _scale_kernel(
 
     `SUM`: the first `SUM_PROGRAMS` rows of programs sum partials of another kernel over their `R` rows instead
     (`_sum_partials`, `PC` channels), so the sum costs no launch of its own.
+
+    `ONE_GROUP`: `m` has one channel (`G` 1), which every channel of the tile reads: its load or window sum and its
+    rsqrt are computed once a position (a `(BP, 1)` column) instead of once an element.
     """
     pid = tl.program_id(0)
     if SUM:
@@ -174,17 +194,26 @@ def _scale_kernel(
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = (p < P)[:, None] & (c < C)[None, :]
     y_offsets = _offsets(n, p, c, syn, syc, syh, syw, W, FLAT, I64)
-    group = c[None, :] // CPG
+    if ONE_GROUP:
+        # one map channel for every channel: its value (window sum, rsqrt) once a position, broadcast over the tile
+        group = tl.zeros([1, 1], tl.int32)
+        m_mask = (p < P)[:, None]
+        first = m_mask & (tl.program_id(1) == 0)
+        m_width: tl.constexpr = 1
+    else:
+        group = c[None, :] // CPG
+        m_mask = mask
+        first = mask & ((c % CPG) == 0)[None, :]
+        m_width: tl.constexpr = BC
     if BOX == 0:
-        m = tl.load(b_ptr + _map_index(n, G, group, P, p[:, None], I64), mask=mask, other=1.)
+        m = tl.load(b_ptr + _map_index(n, G, group, P, p[:, None], I64), mask=m_mask, other=1.)
     else:
         m = _window_sum(b_ptr, n, group, (p // W)[:, None], (p % W)[:, None], smn, smg, smh, smw, MH, MW, SH, SW,
-                        PH, PW, DH, DW, mask, BP, BC, KH, KW, BOX == 2, SQUARE, I64)
+                        PH, PW, DH, DW, m_mask, BP, m_width, KH, KW, BOX == 2, SQUARE, I64)
         if BOX == 1:
             m = m * box_scale + box_offset
-        m = tl.where(mask, m, 1.)
+        m = tl.where(m_mask, m, 1.)
         if STORE_M:
-            first = mask & ((c % CPG) == 0)[None, :]
             tl.store(m_out_ptr + _map_index(n, G, group, P, p[:, None], I64), m, mask=first)
     if RSQRT:
         m = tl.rsqrt(m)
@@ -410,6 +439,22 @@ def channel_sq_norm(x: torch.Tensor, groups: int, alpha: float = 1., beta: float
     return q
 
 
+def box_filter(m: torch.Tensor, box: BoxFilter, size) -> torch.Tensor:
+    """`box` applied to the map `m` (its squares where `box.squares`), every channel its own: a float32 map of (H, W)
+    `size`, channels-last."""
+    n, c = m.shape[:2]
+    h, w = size
+    r = torch.empty((n, c, h, w), device=m.device, dtype=torch.float32, memory_format=torch.channels_last)
+    p = h * w
+    bp, bc = _tiles(c, p, r, _TILE // 2)
+    npb = triton.cdiv(p, bp)
+    _launch(_box_filter_kernel, (n * npb, triton.cdiv(c, bc)), m, *m.stride(), r, *r.stride(), c, p, w, npb,
+            *m.shape[2:], *box.stride, *box.padding, *box.dilation, 1. / box.divisor, box.offset,
+            BP=bp, BC=bc, KH=box.kernel_size[0], KW=box.kernel_size[1], ADJOINT=box.adjoint, SQUARE=box.squares,
+            FLAT=_flat(r), I64=_i64(m, r), num_warps=_WARPS)
+    return r
+
+
 def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = None, act: str = 'none',
           alpha: float = 1., rsqrt: bool = True, base: Optional[torch.Tensor] = None,
           out: Optional[torch.Tensor] = None, gain: Optional[torch.Tensor] = None,
@@ -453,7 +498,7 @@ def scale(y: torch.Tensor, m: torch.Tensor, post_bias: Optional[torch.Tensor] = 
         HAS_PB=post_bias is not None, HAS_BASE=base is not None, ACT=ACTIVATIONS[act],
         FLAT=_flat(y, *others), SAME=_same(y, *others), I64=_i64(y, m, *others), BOX=box_kind, KH=kh, KW=kw,
         SQUARE=box is not None and box.squares, STORE_M=m_out is not None, SUM=partials is not None,
-        BR=_SUM_ROWS, BCOL=_SUM_COLUMNS, num_warps=_WARPS)
+        BR=_SUM_ROWS, BCOL=_SUM_COLUMNS, ONE_GROUP=groups == 1, num_warps=_WARPS)
     return out
 
 

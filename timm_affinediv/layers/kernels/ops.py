@@ -83,6 +83,20 @@ def _box(kernel_size: List[int], stride: List[int], padding: List[int], dilation
     return BoxFilter(tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), **options)
 
 
+def _separable(kernel_size: List[int]) -> bool:
+    """Whether a window sums in two passes, along rows into a float32 map and then along columns: `kh + kw` loads an
+    element instead of `kh kw`, for the windows larger than 3 x 3 (ConvNeXt's 7 x 7)."""
+    kh, kw = kernel_size
+    return kh > 1 and kw > 1 and kh * kw > 9
+
+
+def _rows_and_columns(kernel_size: List[int], stride: List[int], padding: List[int],
+                      dilation: List[int]) -> Tuple[List[List[int]], List[List[int]]]:
+    """A window's geometry split into its rows' (1 x kw) and its columns' (kh x 1)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, stride, padding, dilation
+    return [[1, kw], [1, sw], [0, pw], [1, dw]], [[kh, 1], [sh, 1], [ph, 0], [dh, 1]]
+
+
 def _conv_output(kernels, x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
                  post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int], groups: int,
                  c: int, offset: float, act: str) -> Tuple[Tensor, Tensor]:
@@ -99,7 +113,12 @@ def _conv_output(kernels, x: Tensor, y: Tensor, weight: Tensor, bias: Optional[T
     # a depthwise map's channel sums are the squares themselves: the output pass filters them from `x`
     depthwise = groups == x.shape[1]
     q = x if depthwise else kernels.channel_sq_norm(x, groups)
-    box = _box(weight.shape[2:], stride, padding, dilation, divisor=c, offset=offset / c, squares=depthwise, out=b)
+    if _separable(weight.shape[2:]):
+        rows, columns = _rows_and_columns(weight.shape[2:], stride, padding, dilation)
+        q = kernels.box_filter(q, _box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
+        box = _box(*columns, divisor=c, offset=offset / c, out=b)
+    else:
+        box = _box(weight.shape[2:], stride, padding, dilation, divisor=c, offset=offset / c, squares=depthwise, out=b)
     return kernels.scale(y, q, post_bias, act, gain=gain, bias=bias, box=box), b
 
 
@@ -117,10 +136,14 @@ def _add_norm_grad(kernels, grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: L
     box = None
     if _pointwise(kernel_size, padding):
         grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
+    elif _separable(kernel_size):
+        # the adjoint of rows-then-columns: the columns' adjoint into a map at the input's rows, then the rows'
+        rows, columns = _rows_and_columns(kernel_size, stride, padding, dilation)
+        t = kernels.box_filter(t, _box(*columns, adjoint=True), (x.shape[2], t.shape[3]))
+        box = _box(*rows, adjoint=True)
     else:
         box = _box(kernel_size, stride, padding, dilation, adjoint=True)
-    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials,
-                     sums=sums)
+    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials, sums=sums)
     return sums
 
 

@@ -5,15 +5,17 @@ or driver the kernels were not tested on) would otherwise go unnoticed. So the f
 layer with the kernels on a (device, dtype, memory layout), `verify` runs every kernel family there on small inputs
 and compares each result with that of its torch twin (`_torch`), on the same device:
 
-- the output pass (`_channel_sq_norm_kernel`, `_scale_kernel` with the box filter inside): `out` and `b`;
+- the output pass (`_channel_sq_norm_kernel`, `_box_filter_kernel` for a window's rows where it is larger than
+  3 x 3, `_scale_kernel` with the box filter inside): `out` and `b`;
 - the backward pass (`_scale_backward_kernel`): `dL/dy` and `t`;
-- the `dx` update with the parameters' gradients summed in its launch (`_scale_kernel` with `SUM`): `dL/dx` and the
-  sums;
+- the `dx` update with the parameters' gradients summed in its launch (`_scale_kernel` with `SUM`, after
+  `_box_filter_kernel` for a larger window's columns): `dL/dx` and the sums;
 
-for a 3x3 map (stride 1), a grouped 3x3 map, a depthwise 3x3 map (stride 2), a strided 1x1 map and rows (a linear
-layer), each with its activation and affine. On a GPU the sizes span several tiles in every dimension, the last one
-ragged (136 channels, 17 x 17 positions); Triton's CPU interpreter, which runs each program in numpy, checks one
-ragged tile a dimension (12 channels, 7 x 7). The carried sums of a backward program that walks several blocks of
+for a 3x3 map (stride 1), a grouped 3x3 map, a depthwise 3x3 map (stride 2), a strided 1x1 map, a 7x7 map with
+stride 2 (ResNet's stem), a depthwise 7x7 map (ConvNeXt's) and rows (a linear layer), each with its activation and
+affine. On a GPU the sizes span several tiles in every dimension, the last one ragged (136 channels, 17 x 17
+positions); Triton's CPU interpreter, which runs each program in numpy, checks one ragged tile a dimension (12
+channels, 5 x 5). The carried sums of a backward program that walks several blocks of
 positions (more than `_PARTIAL_ROWS` of them) are not reached at these sizes: tests/test_kernels.py checks them.
 
 A result whose largest difference from the twin's, relative to the twin's largest value, exceeds the tolerance of
@@ -46,7 +48,7 @@ class _Sizes:
 
 
 GPU_SIZES = _Sizes(n=3, channels=136, size=17, rows=37)
-_INTERPRETER_SIZES = _Sizes(n=2, channels=12, size=7, rows=5)
+_INTERPRETER_SIZES = _Sizes(n=1, channels=12, size=5, rows=3)
 
 
 @dataclass(frozen=True)
@@ -65,14 +67,17 @@ _CASES = (
     _Case('a grouped 3x3 map', 3, 1, 4, 'silu', (False, True, True)),
     _Case('a depthwise 3x3 map, stride 2', 3, 2, 0, 'none', (False, False, True)),
     _Case('a 1x1 map, stride 2', 1, 2, 1, 'gelu', (True, False, False)),
+    _Case('a 7x7 map, stride 2 (a two-pass window)', 7, 2, 1, 'relu', (False, True, True)),
+    _Case('a depthwise 7x7 map (a two-pass window)', 7, 1, 0, 'none', (True, True, False)),
     _Case('rows (a linear layer)', 1, 1, 1, 'none', (True, True, True), rows=True),
 )
 
 # what each compared result is, and the kernels that compute it
 _STEPS = {
-    'out': 'the output pass (_scale_kernel)', 'b': 'the patch norms (_channel_sq_norm_kernel, _scale_kernel)',
+    'out': 'the output pass (_scale_kernel)',
+    'b': 'the patch norms (_channel_sq_norm_kernel, _box_filter_kernel, _scale_kernel)',
     'grad_y': 'the backward pass (_scale_backward_kernel)', 't': 'the backward pass (_scale_backward_kernel)',
-    'grad_x': 'the dx update (_scale_kernel)',
+    'grad_x': 'the dx update (_box_filter_kernel, _scale_kernel)',
     'sums': "the parameters' gradients (_scale_backward_kernel, summed in _scale_kernel)",
 }
 
