@@ -1,4 +1,4 @@
-"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` with `distill_epochs=0`) / one
+"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` without distillation) / one
 forward pass of the original over the same calibration set, for full-width models (random weights: the fit's cost
 does not depend on them). The fit is what a trained ResNet or ConvNeXt gets by default; a random-weight model's
 fitted logits are off enough to trigger the distillation, which a trained one does not need (its cost on trained
@@ -23,7 +23,7 @@ import torch
 import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
-from timm_affinediv.convert import convert_model
+from timm_affinediv.convert import ConvertOptions, DistillOptions, convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.device import resolve_device
 
@@ -52,7 +52,8 @@ def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device)
 def conversion_seconds(model: torch.nn.Module, batches: list, device: torch.device) -> float:
     model.cpu()
     start = time.perf_counter()
-    convert_model(model, calibration=batches, device=str(device), distill_epochs=0)
+    convert_model(model, calibration=batches, options=ConvertOptions(distill=DistillOptions(epochs=0),
+                                                                     device=str(device)))
     return time.perf_counter() - start
 
 

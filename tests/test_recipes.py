@@ -432,12 +432,13 @@ def test_conversion_calibrates_on_a_stream(wds_dir, tmp_path):
     stream's first images, read with the model's eval transforms, and the card names the stream."""
     import timm
 
+    from timm_affinediv.convert import ConvertOptions, DistillOptions
     from timm_affinediv.model_io import convert_to_folder
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, channels=(16, 32, 64, 128), stem_width=16,
                               pretrained_cfg_overlay=dict(input_size=(1, 32, 32), crop_pct=1.0)).eval()
     _, report, metrics = convert_to_folder(model, str(tmp_path / 'out'), dataset='wds/fmnist', data_dir=str(wds_dir),
-                                           calib_images=24, batch_size=8, eval_images=16, progress=False,
-                                           distill_epochs=0)
+                                           calib_images=24, batch_size=8, eval_images=16,
+                                           options=ConvertOptions(distill=DistillOptions(epochs=0)))
     assert (report.calibration_images, report.calibration_batches) == (24, 3) and report.layers
     assert metrics['converted']['top1'] >= 0 and 'original' in metrics
     card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
