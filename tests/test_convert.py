@@ -538,6 +538,63 @@ def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
     assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
 
 
+def _shared_images(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many images of `a` are also in `b`, exactly."""
+    return int(((a.flatten(1)[:, None] - b.flatten(1)[None]).abs().amax(-1) == 0).any(1).sum())
+
+
+def test_conversion_images_are_disjoint_draws_of_the_training_split():
+    """`conversion_images`: the calibration images are those the command always drew (the eval loader's fixed
+    subset), the held-out ones and the distillation ones follow them in the same fixed order, none shared; the
+    distillation images come augmented, each pass anew."""
+    from timm.data import create_transform
+
+    from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+    from timm_affinediv.model_io import conversion_images
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+    images = conversion_images('fashion-mnist', None, cfg, 16, calib_images=48, heldout_images=32, distill_images=40)
+    calib, heldout = torch.cat(images.calibration), torch.cat(images.heldout)
+    expected = torch.cat([x for x, _ in create_eval_loader('fashion-mnist', None, cfg, 16, split='train', subset=48,
+                                                           workers=0)])
+    assert torch.equal(calib, expected) and heldout.shape == (32, 1, 32, 32)
+    assert images.distill_images == 40 and len(images.distill) == 3
+    plain = FashionMNIST(transform=create_transform(**cfg))
+    distill = torch.stack([plain[i][0] for i in images.distill.dataset.indices])
+    assert _shared_images(heldout, calib) == 0 and _shared_images(distill, torch.cat([calib, heldout])) == 0
+    first, second = (torch.cat([x for x, _ in images.distill]) for _ in range(2))
+    assert first.shape == (40, 1, 32, 32) and _shared_images(first, distill) < 20 and not torch.equal(first, second)
+
+
+def test_convert_command_distils_on_further_images_and_reports_the_heldout_agreement(tmp_path, capsys):
+    """`convert --distill-images N --heldout-images M`: the flags reach `ConvertOptions`, the distillation reads N
+    further training images a pass, the held-out agreement before and after is in the report, the output and the
+    card, and the report's options are the flags'."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    save_file(model.state_dict(), str(tmp_path / 'model.safetensors'))
+    status = convert_command([
+        '--model', 'resnet18', '--checkpoint', str(tmp_path / 'model.safetensors'), '--num-classes', '10',
+        '--in-chans', '1', '--model-kwargs', 'channels=(16,32,64,128)', 'stem_width=16', '--calib-images', '64',
+        '-b', '32', '--heldout-images', '48', '--distill-images', '96', '--distill-epochs', '2', '--distill-threshold',
+        '1', '--distill-lr', '3e-4', '--ridge', '0.02', '--eval-images', '64', '--device', 'cpu',
+        '--output', str(tmp_path / 'out')])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
+    assert status == 0 and report['heldout_images'] == 48 and report['metrics']['distill_images'] == 96
+    d = report['distillation']
+    assert d['images'] == 96 and d['steps'] == 3 * d['epochs'] and len(d['passes']) == d['epochs'] >= 1
+    assert report['options']['distill'] == dict(epochs=2, lr=3e-4, warmup=0.2, threshold=1, patience=1,
+                                                batch_size=32)
+    assert report['options']['fit']['ridge'] == 0.02
+    fitted = report['agreement_fitted']['top1']
+    assert f'on the 48 held-out images (neither fitted nor distilled on): after the fit {100 * fitted:.2f}%' in out
+    card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+    assert f'top-1 agreement with the original on the 48 held-out images (neither fitted nor distilled on) ' \
+           f'{100 * fitted:.1f}%' in card, card
+    assert 'The distillation images are 96 further fashion-mnist training images' in card
+
+
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
     overlay = dict(file=str(tmp_path / 'absent.pth'))
     status = command(['convert', '--model', 'resnet18', '--pretrained', '--model-kwargs',

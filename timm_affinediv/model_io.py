@@ -156,6 +156,10 @@ def conversion_images(dataset: str, data_dir: Optional[str], data_config: Dict[s
         loader = DataLoader(source, batch_size=batch_size, num_workers=workers)
         stream = create_image_dataset(dataset, data_dir, 'train', in_chans=in_chans, transform=train_transform,
                                       batch_size=batch_size, workers=workers)
+        try:  # timm's streams know their length where their metadata says it
+            distill_images = min(distill_images, max(0, len(source) - calib_images - heldout_images))
+        except TypeError:
+            pass
         return ConversionImages(
             _first_images(loader, calib_images), _first_images(loader, heldout_images, skip=calib_images),
             _StreamAfter(DataLoader(stream, batch_size=batch_size, num_workers=workers), calib_images +
