@@ -265,6 +265,28 @@ def test_distillation_keeps_the_best_pass_and_stops_early():
     assert returned == measure_agreement(student, check, targets) == fit.passes[fit.kept_epoch - 1]
 
 
+def test_distillation_matches_the_fitted_layers_outputs():
+    """The feature term of the distillation's loss: for each (layer, target) pair, the converted layer's output
+    against the original's value at the target module, `|a - t|^2 / |t|^2` averaged over the pairs; the hooks go
+    when it closes."""
+    from timm_affinediv.convert.distill import _MatchedOutputs
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    teacher = nn.Sequential(nn.Linear(4, 5), nn.Sequential(nn.ReLU()), nn.Linear(5, 3))
+    x = torch.randn(6, 4)
+    matched = _MatchedOutputs(student, teacher, [('0', '0'), ('2', '2'), ('1', '1.0')])
+    with torch.no_grad():
+        teacher(x)
+    student(x)
+    with torch.no_grad():
+        a = [student[0](x), student(x), student[1](student[0](x))]
+        t = [teacher[0](x), teacher(x), teacher[1](teacher[0](x))]
+    expected = sum(((p - q).square().sum() / q.square().sum()).item() for p, q in zip(a, t)) / 3
+    assert matched.loss().item() == pytest.approx(expected, rel=1e-5) and not matched.values
+    matched.close()
+    assert not any(m._forward_hooks for m in [*student.modules(), *teacher.modules()])
+
+
 def test_options_by_dotted_names_and_flat_keywords_refused():
     """`ConvertOptions.updated` sets a group's option by its dotted name and refuses an unknown one, naming the known;
     a flat keyword of the earlier `convert_model` is refused with the grouped form, never passed to timm."""
@@ -584,8 +606,8 @@ def test_convert_command_distils_on_further_images_and_reports_the_heldout_agree
     assert status == 0 and report['heldout_images'] == 48 and report['metrics']['distill_images'] == 96
     d = report['distillation']
     assert d['images'] == 96 and d['steps'] == 3 * d['epochs'] and len(d['passes']) == d['epochs'] >= 1
-    assert report['options']['distill'] == dict(epochs=2, lr=3e-4, warmup=0.2, threshold=1, patience=1,
-                                                batch_size=32)
+    assert report['options']['distill'] == dict(epochs=2, lr=3e-4, features=1.0, warmup=0.2, threshold=1,
+                                                patience=1, batch_size=32)
     assert report['options']['fit']['ridge'] == 0.02
     fitted = report['agreement_fitted']['top1']
     assert f'on the 48 held-out images (neither fitted nor distilled on): after the fit {100 * fitted:.2f}%' in out

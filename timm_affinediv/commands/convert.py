@@ -8,8 +8,11 @@
 
 `--dataset` takes what `timm-affinediv finetune` reads: an image folder (`--dataset '' --data-dir PATH`:
 `PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) or timm's `torch/`, `hfds/`, `hfids/`,
-`wds/`, `tfds/` datasets (a stream's first images); they are read with the model's own eval transforms (timm
-`resolve_data_config` of its `pretrained_cfg`: size, crop, mean and std).
+`wds/`, `tfds/` datasets. Three disjoint draws of its training split (a stream's first images, then the next): the
+calibration images and the held-out ones, read with the model's own eval transforms (timm `resolve_data_config` of
+its `pretrained_cfg`: size, crop, mean and std), and the distillation images, streamed with timm's train-time
+augmentation. The held-out agreement with the original after the fit decides whether the model is distilled; the
+output, conversion_report.json and the model card give it before and after.
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
@@ -52,8 +55,7 @@ def add_conversion_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--calib-memory', type=positive_float, default=fit.calib_memory / 2 ** 30,
                        help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
     group = parser.add_argument_group(
-        'distillation after the fit (DistillOptions): where the top-1 agreement with the original on the held-out '
-        'images is under --distill-threshold')
+        'distillation after the fit, where the held-out agreement is under --distill-threshold (DistillOptions)')
     group.add_argument('--heldout-images', type=non_negative_int, default=HELDOUT_IMAGES,
                        help='training images after the calibration ones, neither fitted nor distilled on: the '
                             'agreement that triggers the distillation, stops it and is reported (0: measured on the '

@@ -236,7 +236,7 @@ def convert_model(
         converted.to(device)
         try:
             batches = _on_device(batches, device)
-            original_logits, outputs = _calibrate(model, converted, batches, report, options)
+            original_logits, outputs, original = _calibrate(model, converted, batches, report, options)
             if options.reconstruct.steps:
                 outputs = _reconstruct(model, converted, batches, original_logits, outputs, report, options)
             if check:
@@ -256,8 +256,9 @@ def convert_model(
                 with torch.random.fork_rng(devices=[]):  # a dataset's augmentation draws from torch's generator
                     torch.manual_seed(options.seed)
                     report.distillation, report.agreement = distill_logits(
-                        converted, model, data, check, check_targets, report.agreement_fitted, options.distill,
-                        early_stop=bool(report.heldout_images), device=device)
+                        converted, original, data, check, check_targets, report.agreement_fitted, options.distill,
+                        early_stop=bool(report.heldout_images), device=device,
+                        targets=[(f.layer, f.target) for f in report.layers])
         finally:
             model.to(home)
         converted.to(home)
@@ -311,9 +312,10 @@ def _qkv_called_as_module(model: nn.Module) -> nn.Module:
 
 
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
-               options: ConvertOptions) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+               options: ConvertOptions) -> Tuple[List[torch.Tensor], List[torch.Tensor], nn.Module]:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring); returns the
-    original's logits on the batches and the fitted model's.
+    original's logits on the batches, the fitted model's, and the original as the fits read it (the same function,
+    with each fit's target a module of its own: `LayerFit.target`).
 
     Both models are traced and walked over all batches together (`GraphWalk`): the converted model up to
     the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
@@ -353,7 +355,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
         report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
     report.output_error_calibrated = relative_squared_error(walk.outputs, original.outputs)
-    return original.outputs, walk.outputs
+    return original.outputs, walk.outputs, model
 
 
 def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor],

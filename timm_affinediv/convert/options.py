@@ -70,6 +70,9 @@ class DistillOptions:
     Args:
         epochs: passes over the distillation images at most (0: none).
         lr: Adam's peak learning rate.
+        features: the weight, beside the logits' KL, of the fitted layers' outputs in the loss: the mean over the
+            corrected layers of the relative squared error of each one's output against the original's value where
+            it was fitted to (0: the logits alone).
         warmup: the fraction of the steps over which the learning rate rises to `lr`; a cosine then takes it to 0.
         threshold: the held-out top-1 agreement below which the model is distilled (1: always).
         patience: with held-out images, stop after this many passes in a row that do not raise the held-out top-1
@@ -78,7 +81,8 @@ class DistillOptions:
             comes).
     """
     epochs: int = 6
-    lr: float = 1e-4
+    lr: float = 3e-4
+    features: float = 1.0
     warmup: float = 0.2
     threshold: float = 0.97
     patience: Optional[int] = 1
