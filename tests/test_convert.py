@@ -587,6 +587,28 @@ def test_conversion_images_are_disjoint_draws_of_the_training_split():
     assert first.shape == (40, 1, 32, 32) and _shared_images(first, distill) < 20 and not torch.equal(first, second)
 
 
+def test_distillation_on_augmented_images_is_the_same_from_the_same_seed():
+    """A distillation on a dataset read with timm's train-time augmentation (crops, flips, a random interpolation:
+    torch's, Python's and numpy's generators) gives the same model from the same seed, and leaves the caller's
+    generators as they were."""
+    import random
+
+    from timm_affinediv.data import resolve_dataset_data_config
+    from timm_affinediv.model_io import conversion_images
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+    images = conversion_images('fashion-mnist', None, cfg, 16, calib_images=32, heldout_images=16, distill_images=32)
+    assert len(images.distill.dataset.dataset.transform.transforms[0].interpolation) == 2  # drawn by random.choice
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    options = ConvertOptions(distill=DistillOptions(epochs=1, threshold=1), seed=5)
+    random.seed(7)
+    state = random.getstate(), torch.random.get_rng_state()
+    runs = [convert_model(model, calibration=images.calibration, heldout=images.heldout,
+                          distill_data=images.distill, options=options)[0] for _ in range(2)]
+    assert random.getstate() == state[0] and torch.equal(torch.random.get_rng_state(), state[1])
+    assert all(torch.equal(v, runs[1].state_dict()[k]) for k, v in runs[0].state_dict().items())
+
+
 def test_convert_command_distils_on_further_images_and_reports_the_heldout_agreement(tmp_path, capsys):
     """`convert --distill-images N --heldout-images M`: the flags reach `ConvertOptions`, the distillation reads N
     further training images a pass, the held-out agreement before and after is in the report, the output and the

@@ -1,11 +1,14 @@
 """ The conversion's entry point: `convert_model`, its options and its report (see the package docstring) """
+import contextlib
 import copy
 import logging
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from timm.layers import BatchNormAct2d
@@ -165,6 +168,22 @@ def _on_device(batches: List[torch.Tensor], device: torch.device) -> List[torch.
     return [x.to(device).clone() if x.is_inference() else x.to(device) for x in batches]
 
 
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's, Python's and numpy's generators seeded with `seed`, and restored after: a dataset's augmentation
+    draws from all three in the loader's process (timm's random interpolation from Python's)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def _refuse_flat_options(model_kwargs: dict) -> None:
     """The conversion's settings come in `options`: a keyword naming one of them would reach timm.create_model."""
     names = {n.rpartition('.')[2] for n in option_names()} | {n.replace('.', '_') for n in option_names()}
@@ -253,8 +272,7 @@ def convert_model(
                                            or options.distill.threshold >= 1):
                 data = distillation_batches(batches if distill_data is None else distill_data,
                                             options.distill.batch_size, options.seed)
-                with torch.random.fork_rng(devices=[]):  # a dataset's augmentation draws from torch's generator
-                    torch.manual_seed(options.seed)
+                with _seeded(options.seed):
                     report.distillation, report.agreement = distill_logits(
                         converted, original, data, check, check_targets, report.agreement_fitted, options.distill,
                         early_stop=bool(report.heldout_images), device=device,

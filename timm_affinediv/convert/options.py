@@ -80,11 +80,11 @@ class DistillOptions:
         batch_size: the batches a dataset of distillation images is read in (an iterable of batches is read as it
             comes).
     """
-    epochs: int = 6
+    epochs: int = 2
     lr: float = 3e-4
     features: float = 1.0
     warmup: float = 0.2
-    threshold: float = 0.97
+    threshold: float = 0.96
     patience: Optional[int] = 1
     batch_size: int = 64
 
