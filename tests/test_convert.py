@@ -590,7 +590,7 @@ def test_conversion_images_are_disjoint_draws_of_the_training_split():
 def test_distillation_on_augmented_images_is_the_same_from_the_same_seed():
     """A distillation on a dataset read with timm's train-time augmentation (crops, flips, a random interpolation:
     torch's, Python's and numpy's generators) gives the same model from the same seed, and leaves the caller's
-    generators as they were."""
+    Python's and numpy's generators as they were."""
     import random
 
     from timm_affinediv.data import resolve_dataset_data_config
@@ -602,10 +602,11 @@ def test_distillation_on_augmented_images_is_the_same_from_the_same_seed():
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
     options = ConvertOptions(distill=DistillOptions(epochs=1, threshold=1), seed=5)
     random.seed(7)
-    state = random.getstate(), torch.random.get_rng_state()
+    np.random.seed(7)
+    state = random.getstate(), np.random.get_state()[1].copy()
     runs = [convert_model(model, calibration=images.calibration, heldout=images.heldout,
                           distill_data=images.distill, options=options)[0] for _ in range(2)]
-    assert random.getstate() == state[0] and torch.equal(torch.random.get_rng_state(), state[1])
+    assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()
     assert all(torch.equal(v, runs[1].state_dict()[k]) for k, v in runs[0].state_dict().items())
 
 
