@@ -69,7 +69,7 @@ def add_conversion_args(parser: argparse.ArgumentParser) -> None:
                        help='held-out top-1 agreement (0 to 1) under which the model is distilled (1: always)')
     group.add_argument('--distill-lr', type=positive_float, default=d.lr, help="Adam's peak learning rate")
     group.add_argument('--distill-patience', type=non_negative_int, default=d.patience,
-                       help='stop after this many passes without a better held-out agreement')
+                       help='stop after this many passes that do not lower the held-out KL')
     group = parser.add_argument_group('block reconstruction after the fit, before distillation (ReconstructOptions)')
     group.add_argument('--reconstruct-steps', type=non_negative_int, default=r.steps,
                        help='Adam steps per block at most, on the calibration images (0: none)')

@@ -75,8 +75,8 @@ class DistillOptions:
             it was fitted to (0: the logits alone).
         warmup: the fraction of the steps over which the learning rate rises to `lr`; a cosine then takes it to 0.
         threshold: the held-out top-1 agreement below which the model is distilled (1: always).
-        patience: with held-out images, stop after this many passes in a row that do not raise the held-out top-1
-            agreement (None: never early); the parameters of the best pass are kept.
+        patience: with held-out images, stop after this many passes in a row that do not lower the held-out KL
+            (None: never early); the parameters of the pass of lowest held-out KL are kept.
         batch_size: the batches a dataset of distillation images is read in (an iterable of batches is read as it
             comes).
     """
