@@ -2,6 +2,7 @@
 at a small scale."""
 import copy
 import json
+import math
 
 import numpy as np
 import pytest
@@ -237,6 +238,18 @@ def test_conversion_under_inference_mode_still_distils():
             distill=DistillOptions(epochs=1, threshold=1)))
     assert report.distillation is not None and report.distillation.steps == 2
     assert not any(p.is_inference() for p in converted.parameters())
+
+
+def test_distillation_rate_runs_a_warm_up_and_a_cosine_to_zero_in_every_pass():
+    """Each pass is one cycle: the rate rises to its peak over the pass's first fifth and ends the pass at 0, so the
+    held-out check compares finished models."""
+    from timm_affinediv.convert.distill import schedule
+    factor = schedule(DistillOptions(warmup=0.2), 10)
+    rates = [factor(step) for step in range(30)]
+    assert rates[:10] == rates[10:20] == rates[20:]
+    assert rates[1] == 1 and rates[0] == 0.5 and max(rates) == 1
+    assert rates[9] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8))) and all(
+        a > b for a, b in zip(rates[2:9], rates[3:10]))
 
 
 def test_distillation_keeps_the_best_pass_and_stops_early():

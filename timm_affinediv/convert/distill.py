@@ -15,9 +15,11 @@ together through the whole model (on Fashion-MNIST's `tinynet_e`, 128 steps with
 
 on distillation images streamed from the caller's data (with train-time augmentation where they come from a dataset:
 a new view of each image each pass), the original's logits `z_original` computed on each batch as it comes: nothing
-is held but the batch. Adam, its learning rate rising linearly over the first fifth of the steps and then decaying to
-0 by a cosine (the first steps of Adam move every parameter by about the learning rate, which a bias divided by a
-small patch norm amplifies). Both models stay in eval mode (no dropout or drop-path; PatchNorm keeps no batch
+is held but the batch. Adam, its learning rate, in each pass, rising linearly over the first fifth of the pass's
+steps and then decaying to 0 by a cosine (the first steps of Adam move every parameter by about the learning rate,
+which a bias divided by a small patch norm amplifies): every pass ends at a learning rate of 0, so the passes compare
+as finished models (a cosine over all passes leaves the first at its peak rate, where a model's KL is at its worst and
+an early stop would read it). Both models stay in eval mode (no dropout or drop-path; PatchNorm keeps no batch
 statistics).
 
 After each pass over the distillation images, the converted model's top-1 agreement with the original and their mean
@@ -68,11 +70,16 @@ class DistillationFit:
 
 
 def schedule(options: DistillOptions, steps: int) -> Callable[[int], float]:
-    """The learning rate's factor at each step (`torch.optim.lr_scheduler.LambdaLR`): linear warm-up over
-    `options.warmup` of the steps, then a cosine to 0."""
+    """The learning rate's factor at each step (`torch.optim.lr_scheduler.LambdaLR`), in cycles of `steps` (a pass):
+    linear warm-up over `options.warmup` of a cycle's steps, then a cosine to 0."""
     rise = max(1, round(options.warmup * steps))
-    return lambda step: (step + 1) / rise if step < rise else 0.5 * (1 + math.cos(math.pi * (step - rise) /
-                                                                                    max(1, steps - rise)))
+
+    def factor(step: int) -> float:
+        step %= steps
+        if step < rise:
+            return (step + 1) / rise
+        return 0.5 * (1 + math.cos(math.pi * (step - rise) / max(1, steps - rise)))
+    return factor
 
 
 def logit_kl(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -188,7 +195,7 @@ def distill_logits(converted: nn.Module, original: nn.Module, data: Iterable, ch
         return result, fitted
     best, best_params = fitted, [p.detach().clone() for p in params]
     optimizer = torch.optim.Adam(params, lr=options.lr)
-    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(options, steps))
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule(options, len(data)))
     for epoch in range(1, options.epochs + 1):
         images = 0
         matched = _MatchedOutputs(converted, original, targets) if options.features and targets else None

@@ -73,7 +73,8 @@ class DistillOptions:
         features: the weight, beside the logits' KL, of the fitted layers' outputs in the loss: the mean over the
             corrected layers of the relative squared error of each one's output against the original's value where
             it was fitted to (0: the logits alone).
-        warmup: the fraction of the steps over which the learning rate rises to `lr`; a cosine then takes it to 0.
+        warmup: the fraction of a pass's steps over which the learning rate rises to `lr`; a cosine then takes it to
+            0 by the pass's end (each pass a cycle).
         threshold: the held-out top-1 agreement below which the model is distilled (1: always).
         patience: with held-out images, stop after this many passes in a row that do not lower the held-out KL
             (None: never early); the parameters of the pass of lowest held-out KL are kept.
