@@ -139,7 +139,7 @@ def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
 
 #: Pages whose ```python blocks are whole programs (others show fragments): each runs, in order and in one
 #: namespace, after the page's commands.
-RUN_PYTHON = ('docs/hub.md',)
+RUN_PYTHON = ('README.md', 'docs/hub.md')
 PYTHON_FENCE = re.compile(r'^\s*```python\s*$')
 
 
