@@ -1,4 +1,4 @@
-"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` with `distill_epochs=0`) / one
+"""Conversion cost in forward passes: the least-squares fit's time (`convert_model` without distillation) / one
 forward pass of the original over the same calibration set, for full-width models (random weights: the fit's cost
 does not depend on them). The fit is what a trained ResNet or ConvNeXt gets by default; a random-weight model's
 fitted logits are off enough to trigger the distillation, which a trained one does not need (its cost on trained
@@ -7,6 +7,7 @@ models: scripts/measure_family_conversion.py).
     python scripts/bench_convert.py        # resnet50, convnext_tiny; 224 synthetic, 32 F-MNIST
     python scripts/bench_convert.py --models resnet50 --settings synthetic-224 --batches 8 32 --batch-size 8 64 \\
         --device cuda
+    python scripts/bench_convert.py --models resnet50 --settings fashion-mnist-32 --reps 1 --breakdown
 
 Prints a markdown table: calibration set, one forward pass (s), conversion (s), ratio. Each is the median of
 `--reps` paired rounds, a round timing one forward pass and one conversion next to each other (in alternate
@@ -23,7 +24,7 @@ import torch
 import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
-from timm_affinediv.convert import convert_model
+from timm_affinediv.convert import ConvertOptions, DistillOptions, convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.device import resolve_device
 
@@ -52,8 +53,35 @@ def forward_seconds(model: torch.nn.Module, batches: list, device: torch.device)
 def conversion_seconds(model: torch.nn.Module, batches: list, device: torch.device) -> float:
     model.cpu()
     start = time.perf_counter()
-    convert_model(model, calibration=batches, device=str(device), distill_epochs=0)
+    convert_model(model, calibration=batches, options=ConvertOptions(distill=DistillOptions(epochs=0),
+                                                                     device=str(device)))
     return time.perf_counter() - start
+
+
+#: Where a fit's time goes (`--breakdown`): the functions whose cumulative time is summed, by what they do.
+PHASES = {
+    'the walks: one forward pass of each model over the calibration images': ('graph.py', 'run_until'),
+    "the products U^T U, U^T Z (NormalEquations.add)": ('solver.py', 'add'),
+    'the solves (NormalEquations.fit)': ('solver.py', 'fit'),
+    "the features' gathering (patch_features)": ('features.py', 'patch_features'),
+    'the rebuild (build_converted)': ('rebuild.py', 'build_converted'),
+}
+
+
+def breakdown(model: torch.nn.Module, batches: list, device: torch.device, forward: float) -> None:
+    """One conversion under cProfile: the seconds of each phase (`PHASES`) and in forward passes (`forward` s)."""
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.runcall(conversion_seconds, model, batches, device)
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profile).stats
+    print(f'  where the {total:.1f} s go (cProfile, {total / forward:.1f} forward passes of {forward:.2f} s):')
+    for phase, (file, function) in PHASES.items():
+        seconds = sum(entry[3] for (path, _, name), entry in stats.items()
+                      if path.endswith(file) and name == function)
+        print(f'    {phase}: {seconds:.1f} s, {seconds / forward:.2f} passes')
 
 
 def main(argv=None) -> int:
@@ -66,6 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument('--batch-size', type=positive_int, nargs=2, default=(8, 64), metavar=('AT_224', 'AT_32'))
     parser.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'))
     parser.add_argument('--reps', type=positive_int, default=3, help='paired rounds per model and setting')
+    parser.add_argument('--breakdown', action='store_true',
+                        help="then one more conversion under cProfile: the seconds of the walks, the products, the "
+                             "solves and the features' gathering")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     rows = []
@@ -91,6 +122,8 @@ def main(argv=None) -> int:
             rows.append((name, setting, f'{len(batches)} x {batches[0].shape[0]}', forward, seconds, ratio, spread))
             print(f'{name} {setting}: forward {forward:.1f} s, conversion {seconds:.1f} s, ratio {ratio:.1f} '
                   f'({spread})', flush=True)
+            if args.breakdown:
+                breakdown(model, batches, device, forward)
     print(f'\n| model | data | calibration batches | one forward pass s | conversion s | ratio | rounds |  ({device}, '
           f'{args.reps} rounds)')
     print('|---|---|---|---:|---:|---:|---:|')

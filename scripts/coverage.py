@@ -286,6 +286,8 @@ def write(rows: List[Row], output: Path) -> None:
     slots = sum(r.slots for r in part1 if r.status == 'working')
     lines = [
         '# `norm_layer="patchnorm"` across timm', '',
+        'Which timm families take `norm_layer="patchnorm"` and which refuse it, and why: a table made by a script.',
+        '',
         f'**{len(working)} of {len(families)} timm families** (modules of `timm.list_modules()`, timm '
         f'{timm.__version__}) build, bind, train and infer with `norm_layer="patchnorm"`, with exact divergence '
         f'factors; {bound} of {slots} slots bound in them. '

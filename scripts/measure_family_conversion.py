@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-""" Conversion of a trained BatchNorm/LayerNorm model of every README family to `patchnorm`, measured on
-Fashion-MNIST at 32x32: top-1 of the original and of the model `convert_model` makes with its default arguments
-(calibrated on `--calib-batches` batches of 64 training images, no labels, no fine-tuning) on the first
-`--test-images` test images, their agreement, the conversion's seconds and its cost in forward passes of the
-original over the calibration batches, and what ran (the fitted logits' error, blocks reconstructed, distillation).
-Without `--checkpoint`, each original is trained first by a plain loop (`--epochs` over `--train-images` images,
-AdamW, one-cycle) and kept under `--runs`; the command that does only that is printed with the table
-(docs/families.md's conversion table).
+""" Conversion of a trained BatchNorm/LayerNorm model of every README family to `patchnorm`, on originals trained
+two ways, measured on Fashion-MNIST at 32x32: top-1 of the original and of the model `convert_model` makes with its
+defaults on the 10k test images, their agreement there, the agreement on the held-out training images the
+conversion checks itself on (after the fit, and for the model returned), the conversion's seconds, its cost in
+forward passes of the original over the calibration images and in epochs of the original's training, and what ran.
 
-    python scripts/measure_family_conversion.py                       # every family: train if needed, the table
-    python scripts/measure_family_conversion.py --models tinynet_e regnetx_002 --train-only
+The conversion reads the images `timm-affinediv convert` reads (`model_io.conversion_images`): `--calib-batches`
+batches of 64 training images, the next `--heldout-images` held out, the next `--distill-images` for the
+distillation (with train-time augmentation). Without `--checkpoint`, each original is trained first by the recipe's
+plain loop and kept under `--runs/RECIPE/MODEL` (docs/families.md's conversion table):
+
+- `adamw`: AdamW (lr 3e-3, weight decay 0.05, one-cycle), 2 epochs of 4000 images, batch 64;
+- `sgd`: SGD (momentum 0.9, Nesterov, lr 0.05, weight decay 5e-4, 5% warm-up then cosine), 2 epochs of 20000 images,
+  batch 128;
+
+no augmentation, BatchNorm statistics re-estimated on 2048 training images.
+
+    python scripts/measure_family_conversion.py                       # every family, both recipes: the table
+    python scripts/measure_family_conversion.py --models tinynet_e regnetx_002 --recipes sgd --train-only
+    python scripts/measure_family_conversion.py --models tinynet_e --recipes adamw --distill-images 4096 \\
+        --convert-kwargs distill.epochs=2 distill.threshold=1 --json runs/curve.jsonl
     python scripts/measure_family_conversion.py --models vit_tiny_patch16_224 \\
         --checkpoint runs/vit-tiny/model.safetensors
 """
+import copy
+import json
+import math
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import timm
 import torch
@@ -27,15 +41,17 @@ from safetensors.torch import save_file
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv.cli import positive_int, run_main
+from timm_affinediv.cli import non_negative_int, positive_int, run_main
 from timm_affinediv.commands import command_parser
-from timm_affinediv.convert import convert_model
+from timm_affinediv.convert import ConvertOptions, convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
-from timm_affinediv.model_io import load_trained_model
+from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 
-#: One narrow model per README family, as small as trains in a minute or two on a 2-core CPU at 32x32.
+#: One model per README family, narrow where timm's smallest is too large to train in minutes on a 2-core CPU at
+#: 32x32; ResNet-50 at full width.
 FAMILIES: Dict[str, Dict[str, Any]] = {
     'resnet18': dict(channels=(16, 32, 64, 128), stem_width=16),
+    'resnet50': dict(),
     'convnext_atto': dict(dims=(16, 32, 64, 128)),
     'vit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
     'deit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
@@ -48,38 +64,70 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 }
 
 
+@dataclass
+class Recipe:
+    """How an original is trained: the optimiser, its peak learning rate and weight decay, epochs over the first
+    `images` training images (a fixed random subset), the batch."""
+    optimizer: str
+    lr: float
+    weight_decay: float
+    epochs: int
+    images: int
+    batch_size: int
+
+
+RECIPES = {
+    'adamw': Recipe('adamw', 3e-3, 0.05, epochs=2, images=4000, batch_size=64),
+    'sgd': Recipe('sgd', 0.05, 5e-4, epochs=2, images=20000, batch_size=128),
+}
+
+
 def _kwargs_text(kwargs: Dict[str, Any]) -> str:
     return ' '.join(f'{k}={v!r}'.replace(' ', '') for k, v in kwargs.items())
 
 
-def _tensors(split: str, images: int, model: Optional[nn.Module] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _tensors(split: str, images: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The first-`images` fixed random subset of a Fashion-MNIST split, read with the eval transforms (32x32)."""
-    cfg = resolve_dataset_data_config('fashion-mnist', model, in_chans=1)
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
     loader = create_eval_loader('fashion-mnist', None, cfg, 500, split=split, subset=images, workers=0)
     xs, ys = zip(*loader)
     return torch.cat(xs), torch.cat(ys)
 
 
-def train(name: str, kwargs: Dict[str, Any], path: Path, epochs: int, images: int, seed: int = 0) -> None:
-    """The original: `epochs` passes over `images` training images in batches of 64, AdamW (lr 3e-3, weight decay
-    0.05, one-cycle), no augmentation; BatchNorm statistics then re-estimated on 2048 of the images."""
-    x, y = _tensors('train', images)
+def _optimizer(model: nn.Module, recipe: Recipe, steps: int):
+    if recipe.optimizer == 'adamw':
+        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+        return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=steps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
+                                weight_decay=recipe.weight_decay)
+    warmup = max(1, steps // 20)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
+                                                        0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))))
+
+
+def _step(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+
+
+def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: int = 0) -> None:
+    """The original, by `recipe`'s plain loop, no augmentation; BatchNorm statistics then re-estimated on 2048 of the
+    images (the eval-mode model is the one trained)."""
+    x, y = _tensors('train', recipe.images)
     torch.manual_seed(seed)
     model = timm.create_model(name, num_classes=10, in_chans=1, **kwargs)
-    steps = epochs * (len(x) // 64)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps)
+    per_epoch = len(x) // recipe.batch_size
+    optimizer, schedule = _optimizer(model, recipe, recipe.epochs * per_epoch)
     model.train()
-    for _ in range(epochs):
+    for _ in range(recipe.epochs):
         order = torch.randperm(len(x))
-        for i in range(len(x) // 64):
-            batch = order[i * 64:(i + 1) * 64]
-            loss = F.cross_entropy(model(x[batch]), y[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-    with torch.no_grad():  # exact BatchNorm statistics: the eval-mode model is the one trained
+        for i in range(per_epoch):
+            batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
+            _step(model, optimizer, schedule, x[batch], y[batch])
+    with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.reset_running_stats()
@@ -90,10 +138,18 @@ def train(name: str, kwargs: Dict[str, Any], path: Path, epochs: int, images: in
     save_file(model.state_dict(), str(path))
 
 
-def _top1_and_predictions(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, torch.Tensor]:
-    with torch.no_grad():
-        predicted = torch.cat([model(x[i:i + 250]).argmax(1) for i in range(0, len(x), 250)])
-    return (predicted == y).float().mean().item() * 100, predicted
+def epoch_seconds(model: nn.Module, recipe: Recipe, steps: int = 6) -> float:
+    """One epoch of the recipe's training of `model`, from the time of `steps` steps (after one warm-up step) on a
+    copy: what the conversion's cost is a fraction of."""
+    model = copy.deepcopy(model).train()
+    x = torch.randn(recipe.batch_size, 1, 32, 32)
+    y = torch.randint(0, 10, (recipe.batch_size,))
+    optimizer, schedule = _optimizer(model, recipe, steps + 1)
+    _step(model, optimizer, schedule, x, y)
+    start = time.perf_counter()
+    for _ in range(steps):
+        _step(model, optimizer, schedule, x, y)
+    return (time.perf_counter() - start) / steps * (recipe.images / recipe.batch_size)
 
 
 def forward_pass_seconds(model: nn.Module, batches: List[torch.Tensor]) -> float:
@@ -108,75 +164,114 @@ def forward_pass_seconds(model: nn.Module, batches: List[torch.Tensor]) -> float
     return min(times)
 
 
+def _predictions(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(x[i:i + 500]).argmax(1) for i in range(0, len(x), 500)])
+
+
 def what_ran(report) -> str:
-    """What ran after the fit, in a few words: the blocks reconstructed and their steps, the distillation's epochs
-    (with the fitted logits' error that decided it)."""
+    """What ran after the fit, in a few words: the blocks reconstructed and their steps, the distillation's passes,
+    images and the one kept."""
     ran = [b for b in report.blocks if b.steps]
-    text = f'fit (logits error {report.output_error_calibrated:.3f})'
+    text = 'fit'
     if ran:
         text += f'; {len(ran)}/{len(report.blocks)} blocks reconstructed, {sum(b.steps for b in ran)} steps'
     d = report.distillation
     if d is not None:
-        text += f'; distilled {d.epochs} epochs, KL {d.kl_before:.3f} -> {d.kl_after:.3f}'
+        text += (f'; distilled {d.epochs} x {d.images} images' + (' (stopped early)' if d.stopped_early else '')
+                 + (f', pass {d.kept_epoch} kept' if d.kept_epoch else ', fit kept'))
     return text
 
 
-def measure(name: str, kwargs: Dict[str, Any], checkpoint: str, calib_batches: int, test_images: int,
-            convert_kwargs: Dict[str, Any]) -> str:
+def measure(name: str, recipe_name: str, kwargs: Dict[str, Any], checkpoint: str, args) -> Dict[str, Any]:
+    """One conversion measured: its row's figures."""
+    recipe = RECIPES[recipe_name]
     model = load_trained_model(name, checkpoint=checkpoint, num_classes=10, in_chans=1, **kwargs)
-    x, y = _tensors('train', calib_batches * 64, model)
-    calib = list(x.split(64))
-    tx, ty = _tensors('validation', test_images, model)
+    cfg = resolve_dataset_data_config('fashion-mnist', model, in_chans=1)
+    options = ConvertOptions().updated(args.convert_kwargs)
+    images = conversion_images('fashion-mnist', None, cfg, 64, calib_images=args.calib_batches * 64,
+                               heldout_images=args.heldout_images, distill_images=args.distill_images,
+                               seed=options.seed)
+    tx, ty = _tensors('validation', args.test_images)
     start = time.perf_counter()
-    converted, report = convert_model(model, calibration=calib, **convert_kwargs)
+    converted, report = convert_model(model, calibration=images.calibration, heldout=images.heldout or None,
+                                      distill_data=images.distill, options=options)
     seconds = time.perf_counter() - start
     print(report.format_table(), file=sys.stderr)
-    passes = seconds / forward_pass_seconds(model, calib)
-    top1, original = _top1_and_predictions(model, tx, ty)
-    top1_converted, ours = _top1_and_predictions(converted.eval(), tx, ty)
-    agreement = (original == ours).float().mean().item() * 100
-    label = f'`{name}`' + (f' ({_kwargs_text(kwargs)})' if kwargs else '')
-    return (f'| {label} | {top1:.2f} | {top1_converted:.2f} | **{top1_converted - top1:+.2f}** | {agreement:.1f}% '
-            f'| {seconds:.1f} | {passes:.1f} | {what_ran(report)} |')
+    original, ours = _predictions(model, tx), _predictions(converted.eval(), tx)
+    top1, top1_converted = ((p == ty).float().mean().item() * 100 for p in (original, ours))
+    d = report.distillation
+    return dict(
+        model=name, model_kwargs=_kwargs_text(kwargs), recipe=recipe_name, original=top1, converted=top1_converted,
+        change=top1_converted - top1, test_agreement=(original == ours).float().mean().item() * 100,
+        heldout_fitted=100 * report.agreement_fitted.top1, heldout=100 * report.agreement.top1,
+        kl_fitted=report.agreement_fitted.kl, kl=report.agreement.kl, seconds=seconds,
+        forward_passes=seconds / forward_pass_seconds(model, images.calibration),
+        epochs_of_training=seconds / epoch_seconds(model, recipe), distill_images=images.distill_images,
+        distill_epochs=d.epochs if d else 0, kept_epoch=d.kept_epoch if d else None,
+        passes=[(p.top1, p.kl) for p in d.passes] if d else [], what_ran=what_ran(report),
+        options=args.convert_kwargs)
+
+
+def row(m: Dict[str, Any]) -> str:
+    label = f"`{m['model']}`" + (f" ({m['model_kwargs']})" if m['model_kwargs'] else '')
+    return (f"| {label} | {m['recipe']} | {m['original']:.2f} | {m['converted']:.2f} | **{m['change']:+.2f}** | "
+            f"{m['test_agreement']:.1f}% | {m['heldout_fitted']:.1f}% -> {m['heldout']:.1f}% | {m['seconds']:.0f} | "
+            f"{m['forward_passes']:.1f} | {m['epochs_of_training']:.2f} | {m['what_ran']} |")
 
 
 def main(argv=None) -> int:
     parser = command_parser('measure_family_conversion', __doc__, prog='scripts/measure_family_conversion.py')
     parser.add_argument('--models', nargs='+', default=list(FAMILIES), help='timm model names (default: every family)')
+    parser.add_argument('--recipes', nargs='+', default=list(RECIPES), choices=list(RECIPES),
+                        help='how the originals are trained (default: both)')
     parser.add_argument('--model-kwargs', nargs='*', default=None, action=ParseKwargs,
-                        help="the model's arguments (default: the family's narrow model in FAMILIES)")
-    parser.add_argument('--checkpoint', help='the trained weights (safetensors) of the one model of --models')
+                        help="the model's arguments (default: the family's model in FAMILIES)")
+    parser.add_argument('--checkpoint', help='the trained weights (safetensors) of the one model of --models, '
+                                             'trained by the one recipe of --recipes')
     parser.add_argument('--runs', default='runs/family-conversion', help='where the trained originals are kept')
-    parser.add_argument('--epochs', type=positive_int, default=2)
-    parser.add_argument('--train-images', type=positive_int, default=4000)
+    parser.add_argument('--epochs', type=positive_int, help="the recipes' epochs (default: each recipe's)")
+    parser.add_argument('--train-images', type=positive_int, help="the recipes' images (default: each recipe's)")
     parser.add_argument('--train-only', action='store_true', help='train the missing originals and stop')
     parser.add_argument('--calib-batches', type=positive_int, default=32)
-    parser.add_argument('--test-images', type=positive_int, default=2000)
+    parser.add_argument('--heldout-images', type=non_negative_int, default=HELDOUT_IMAGES)
+    parser.add_argument('--distill-images', type=non_negative_int, default=DISTILL_IMAGES)
+    parser.add_argument('--test-images', type=positive_int, default=10000)
     parser.add_argument('--convert-kwargs', nargs='*', default={}, action=ParseKwargs,
-                        help="convert_model's keyword arguments over its defaults (e.g. reconstruct_steps=0)")
+                        help="ConvertOptions over their defaults, by dotted names (e.g. distill.epochs=0)")
+    parser.add_argument('--json', help='append each row as a JSON line to this file')
     args = parser.parse_args(argv)
-    if args.checkpoint and len(args.models) != 1:
-        parser.error('--checkpoint is the weights of one model: pass one name with --models')
-    train_command = ['python', 'scripts/measure_family_conversion.py', '--models', *args.models, '--runs', args.runs,
-                     '--epochs', str(args.epochs), '--train-images', str(args.train_images), '--train-only']
+    if args.checkpoint and (len(args.models) != 1 or len(args.recipes) != 1):
+        parser.error('--checkpoint is the weights of one model: pass one name with --models, one with --recipes')
+    for recipe in RECIPES.values():
+        recipe.epochs, recipe.images = args.epochs or recipe.epochs, args.train_images or recipe.images
     rows = []
-    for name in args.models:
-        kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
-        checkpoint = args.checkpoint or str(Path(args.runs) / name / 'model.safetensors')
-        if not args.checkpoint and not Path(checkpoint).is_file():
-            start = time.perf_counter()
-            train(name, kwargs, Path(checkpoint), args.epochs, args.train_images)
-            print(f'trained {name} in {time.perf_counter() - start:.0f} s: {checkpoint}', file=sys.stderr)
-        if not args.train_only:
-            rows.append(measure(name, kwargs, checkpoint, args.calib_batches, args.test_images, args.convert_kwargs))
-            print(rows[-1], file=sys.stderr)
+    for recipe in args.recipes:
+        for name in args.models:
+            kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
+            checkpoint = args.checkpoint or str(Path(args.runs) / recipe / name / 'model.safetensors')
+            if not args.checkpoint and not Path(checkpoint).is_file():
+                start = time.perf_counter()
+                train(name, kwargs, Path(checkpoint), RECIPES[recipe])
+                print(f'trained {name} ({recipe}) in {time.perf_counter() - start:.0f} s: {checkpoint}',
+                      file=sys.stderr)
+            if args.train_only:
+                continue
+            measured = measure(name, recipe, kwargs, checkpoint, args)
+            rows.append(row(measured))
+            print(rows[-1], file=sys.stderr, flush=True)
+            if args.json:
+                with open(args.json, 'a') as f:
+                    f.write(json.dumps(measured) + '\n')
     if rows:
-        print('| model (narrow) | original top-1 | converted top-1 | change | agreement | conversion s '
-              '| forward passes | what ran |')
-        print('|---|---:|---:|---:|---:|---:|---:|---|')
+        print('| model | recipe | original top-1 | converted top-1 | change | agreement (test) | agreement (held-out): '
+              'fit -> returned | conversion s | forward passes | epochs of training | what ran |')
+        print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|')
         print('\n'.join(rows))
         if not args.checkpoint:
-            print(f'\noriginals trained by: {shlex.join(train_command)}')
+            command = ['python', 'scripts/measure_family_conversion.py', '--models', *args.models, '--recipes',
+                       *args.recipes, '--runs', args.runs, '--train-only']
+            print(f'\noriginals trained by: {shlex.join(command)}')
     return 0
 
 

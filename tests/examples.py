@@ -203,7 +203,7 @@ NARROW: Dict[str, dict] = {
 BUDGET: Dict[str, int] = {
     '--epochs': 1, '--calib-images': 16, '--calib-batches': 2, '--reps': 4, '--rounds': 2, '--steps': 2,
     '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--distill-epochs': 1,
-    '--batches': 2,
+    '--batches': 2, '--heldout-images': 64, '--distill-images': 128,
     '--batch-size': 16, '-b': 16, '--eval-images': 64, '--img-size': 64,
 }
 #: Flags listing several values (runs of the same thing), cut to the first.
@@ -218,8 +218,10 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/bench_gpu.py': {'--quick': [], '--models': ['resnet18'], '--steps': ['train']},
     'scripts/measure_conversion.py': {'--batch-size': ['8']},
     'scripts/measure_finetune.py': {'--epochs': ['1'], '--train-subset': ['128']},
-    'scripts/measure_family_conversion.py': {'--models': ['resnet18'], '--epochs': ['1'], '--train-images': ['128'],
-                                             '--calib-batches': ['2'], '--test-images': ['64']},
+    'scripts/measure_family_conversion.py': {'--models': ['resnet18'], '--recipes': ['adamw'], '--epochs': ['1'],
+                                             '--train-images': ['128'], '--calib-batches': ['2'],
+                                             '--heldout-images': ['64'], '--distill-images': ['128'],
+                                             '--test-images': ['64']},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},

@@ -2,6 +2,7 @@
 at a small scale."""
 import copy
 import json
+import math
 
 import numpy as np
 import pytest
@@ -14,7 +15,15 @@ import timm_affinediv  # noqa: F401
 from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots
 from timm_affinediv.commands import main as command
 from timm_affinediv.commands.convert import main as convert_command
-from timm_affinediv.convert import ConversionError, convert_model, positions_per_batch_for
+from timm_affinediv.convert import (
+    ConversionError,
+    ConvertOptions,
+    DistillOptions,
+    FitOptions,
+    ReconstructOptions,
+    convert_model,
+    positions_per_batch_for,
+)
 from timm_affinediv.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, FashionMNIST
 
 NARROW = dict(resnet18=dict(channels=(16, 32, 64, 128), stem_width=16),
@@ -22,6 +31,11 @@ NARROW = dict(resnet18=dict(channels=(16, 32, 64, 128), stem_width=16),
               vit_tiny_patch16_224=dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2),
               eva02_tiny_patch14_224=dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2),
               tinynet_e=dict())
+
+
+def fit_only(**fit) -> ConvertOptions:
+    """The fit alone (with `fit`'s options), no distillation."""
+    return ConvertOptions(fit=FitOptions(**fit), distill=DistillOptions(epochs=0))
 
 
 def _tensors(split, n, offset=0):
@@ -74,14 +88,14 @@ def test_calibration_recovers_what_the_swap_loses(name, data):
     swapped, report = convert_model(model)
     assert report.top1_agreement_analytic is None and not report.layers
     calib = [x[i:i + 64] for i in range(0, 256, 64)]
-    calibrated, report = convert_model(model, calibration=calib, distill_epochs=0)
+    calibrated, report = convert_model(model, calibration=calib, options=fit_only())
     swap_top1, calibrated_top1 = _top1(swapped, xt, yt), _top1(calibrated, xt, yt)
     assert calibrated_top1 > swap_top1 + 0.1, (original, swap_top1, calibrated_top1)
     assert calibrated_top1 > original - 0.1, (original, calibrated_top1)
     assert report.top1_agreement_calibrated > report.top1_agreement_analytic + 0.1
     # the float32 sums of the fits give the model the float64 fit gives
     exact, _ = convert_model(copy.deepcopy(model).double(), calibration=[b.double() for b in calib],
-                             distill_epochs=0)
+                             options=fit_only())
     with torch.no_grad():
         ours, truth = calibrated(xt), exact(xt.double())
     assert (ours.double() - truth).abs().max() <= 1e-3 * truth.abs().max()
@@ -109,7 +123,7 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     original = _top1(model, xt, yt)
     assert original > 0.3, 'the briefly trained model should have learned something (chance: 0.1)'
     calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)],
-                                       distill_epochs=0)
+                                       options=fit_only())
     assert all(b.bound for b in describe_slots(calibrated))
     assert report.layers and all(f.rel_err_after <= f.rel_err_before + 1e-6 for f in report.layers)
     if name == 'tinynet_e':
@@ -148,8 +162,9 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     threshold above every layer's error, no block checked and the fit's model unchanged."""
     calib = [x[i:i + 32] for i in range(0, 128, 32)]
     before = copy.deepcopy(model.state_dict())
-    runs = [convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=0, seed=3,
-                          distill_epochs=0) for _ in range(2)]
+    options = ConvertOptions(reconstruct=ReconstructOptions(steps=12, threshold=0), distill=DistillOptions(epochs=0),
+                             seed=3)
+    runs = [convert_model(model, calibration=calib, options=options) for _ in range(2)]
     (converted, report), (again, _) = runs
     names = [b.block for b in report.blocks]
     assert names[0] == '(stem)' and names[-1] == '(head)' and 'blocks.1.0' in names, names
@@ -163,36 +178,51 @@ def _check_reconstruction(model: nn.Module, x: torch.Tensor) -> None:
     assert 'blocks.1.0: ' in report.describe() and f'{len(names)} of {len(names)} blocks' in report.describe()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
-    fitted, _ = convert_model(model, calibration=calib, distill_epochs=0)
-    untouched, report = convert_model(model, calibration=calib, reconstruct_steps=12, reconstruct_threshold=1e9,
-                                      distill_epochs=0)
+    fitted, _ = convert_model(model, calibration=calib, options=fit_only())
+    untouched, report = convert_model(model, calibration=calib, options=options.updated(
+        {'reconstruct.threshold': 1e9, 'seed': 0}))
     assert not report.blocks and 'no block was reconstructed' in report.describe()
     assert all(torch.equal(v, fitted.state_dict()[k]) for k, v in untouched.state_dict().items())
 
 
 def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
-    """Logit distillation after the fit (the default where the fitted logits are off): the converted model's mean KL
-    to the original's class distribution on the calibration images falls (by a fifth at least), the report and
-    its sentence say what ran; the same result from the same seed, the original untouched; below the threshold the
-    fit's model is returned as it is, and the sentence says it was not distilled."""
-    from timm_affinediv.convert.distill import logit_kl
+    """Logit distillation after the fit, on images beyond the calibration set (a Dataset, read in shuffled batches),
+    decided and checked on held-out images: the agreement the report gives before and after is the eager models' on
+    the held-out images, each pass's is recorded, the mean KL there falls; the report and its sentence say what ran;
+    the same result from the same seed, the original untouched; at or above the threshold the fit's model is returned
+    as it is, and the sentence says it was not distilled."""
+    from torch.utils.data import TensorDataset
+
+    from timm_affinediv.convert.distill import measure_agreement
     calib = [x[i:i + 64] for i in range(0, 1024, 64)]
+    heldout = [x[1024:1280], x[1280:1536]]
+    distill_data = TensorDataset(x[1536:2560])                               # 1024 images, 16 batches of 64
     before = copy.deepcopy(model.state_dict())
-    fitted, fit_report = convert_model(model, calibration=calib, distill_threshold=1e9)
-    assert fit_report.distillation is None and 'so it was not distilled' in fit_report.describe()
-    (converted, report), (again, _) = [convert_model(model, calibration=calib, distill_epochs=3, distill_threshold=0)
-                                       for _ in range(2)]
-    d = report.distillation
-    assert d is not None and d.epochs == 3 and d.steps == 48 and d.kl_after < 0.8 * d.kl_before, d
+    fitted, fit_report = convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data,
+                                       options=ConvertOptions(distill=DistillOptions(threshold=0)))
+    assert fit_report.distillation is None and 'at least 0%, so it was not distilled' in fit_report.describe()
     with torch.no_grad():
-        kl = sum(logit_kl(converted(b), model.eval()(b)).item() for b in calib) / len(calib)
-        kl_fit = sum(logit_kl(fitted(b), model(b)).item() for b in calib) / len(calib)
-    assert kl == pytest.approx(d.kl_after, rel=1e-4) and kl_fit == pytest.approx(d.kl_before, rel=1e-4)
-    assert 0 < report.top1_agreement_distilled <= 1
-    assert report.output_error_refitted == pytest.approx(fit_report.output_error_calibrated)
-    assert "distilled on the original's logits for 3 epochs (48 Adam steps" in report.describe()
-    assert f'{100 * report.top1_agreement_distilled:.1f}%' in report.describe()
-    assert 'distilled' in report.format_table()
+        targets = [model.eval()(b) for b in heldout]
+    eager_fit = measure_agreement(fitted, heldout, targets)
+    assert fit_report.heldout_images == 512 and fit_report.agreement_fitted == fit_report.agreement
+    assert fit_report.agreement.top1 == eager_fit.top1 and fit_report.agreement.kl == pytest.approx(eager_fit.kl)
+    options = ConvertOptions(distill=DistillOptions(epochs=3, threshold=1, patience=None, lr=3e-4))
+    (converted, report), (again, _) = [
+        convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data, options=options)
+        for _ in range(2)]
+    d = report.distillation
+    assert d is not None and (d.images, d.epochs, d.steps, len(d.passes)) == (1024, 3, 48, 3), d
+    assert not d.stopped_early and d.kept_epoch == min(range(1, 4), key=lambda e: d.passes[e - 1].kl)
+    eager = measure_agreement(converted, heldout, targets)
+    assert report.agreement.top1 == eager.top1 and report.agreement.kl == pytest.approx(eager.kl, rel=1e-4)
+    assert report.agreement == d.passes[d.kept_epoch - 1]
+    assert report.agreement_fitted.kl == pytest.approx(eager_fit.kl, rel=1e-4)
+    assert report.agreement.kl < 0.8 * report.agreement_fitted.kl, (report.agreement, report.agreement_fitted)
+    assert ("the 512 held-out images (neither fitted nor distilled on)" in report.describe()
+            and 'under 100%, so the whole model was distilled' in report.describe()
+            and 'over 1024 images a pass, 3 passes (48 Adam steps)' in report.describe())
+    assert f'pass {d.kept_epoch} kept: agreement {100 * report.agreement.top1:.1f}%' in report.describe()
+    assert 'pass 3 ' in report.format_table()
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
@@ -204,32 +234,89 @@ def test_conversion_under_inference_mode_still_distils():
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
     with torch.inference_mode():
         batches = [torch.randn(8, 1, 32, 32) for _ in range(2)]
-        converted, report = convert_model(model, calibration=batches, distill_epochs=1, distill_threshold=0)
+        converted, report = convert_model(model, calibration=batches, options=ConvertOptions(
+            distill=DistillOptions(epochs=1, threshold=1)))
     assert report.distillation is not None and report.distillation.steps == 2
     assert not any(p.is_inference() for p in converted.parameters())
 
 
-def test_distillation_that_does_not_help_keeps_the_fit():
-    """Where distillation leaves the mean KL above the fit's (a learning rate far too large), the fitted parameters
-    are restored and the fit's outputs returned."""
-    from timm_affinediv.convert.distill import DistillationOptions, distill_logits
+def test_distillation_rate_runs_a_warm_up_and_a_cosine_to_zero_in_every_pass():
+    """Each pass is one cycle: the rate rises to its peak over the pass's first fifth and ends the pass at 0, so the
+    held-out check compares finished models."""
+    from timm_affinediv.convert.distill import schedule
+    factor = schedule(DistillOptions(warmup=0.2), 10)
+    rates = [factor(step) for step in range(30)]
+    assert rates[:10] == rates[10:20] == rates[20:]
+    assert rates[1] == 1 and rates[0] == 0.5 and max(rates) == 1
+    assert rates[9] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8))) and all(
+        a > b for a, b in zip(rates[2:9], rates[3:10]))
+
+
+def test_distillation_keeps_the_best_pass_and_stops_early():
+    """Where no pass comes closer to the original on the check images (a lower KL) than the fit (here the original
+    itself, a learning rate far too large), the distillation stops after `patience` passes and the fitted parameters
+    are restored; where passes help, the one of lowest KL is kept, and the returned agreement is the model's."""
+    from timm_affinediv.convert.distill import distill_logits, measure_agreement
     torch.manual_seed(0)
     student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
     batches = [torch.randn(8, 4) for _ in range(3)]
+    check = [torch.randn(64, 4)]
     with torch.no_grad():
-        targets, outputs = [teacher(b) for b in batches], [student(b) for b in batches]
-    fitted = copy.deepcopy(student.state_dict())
-    fit, returned = distill_logits(student, batches, targets, outputs, DistillationOptions(epochs=2, lr=1e3))
-    assert fit.kl_after == fit.kl_before and returned is outputs
-    assert all(torch.equal(v, student.state_dict()[k]) for k, v in fitted.items())
-    fit, _ = distill_logits(student, batches, targets, outputs, DistillationOptions(epochs=20, lr=1e-2))
-    assert fit.kl_after < fit.kl_before and fit.steps == 60
+        targets = [teacher(b) for b in check]
+    run = dict(early_stop=True, device=torch.device('cpu'))
+    exact = copy.deepcopy(teacher)
+    fit, returned = distill_logits(exact, teacher, batches, check, targets, measure_agreement(exact, check, targets),
+                                   DistillOptions(epochs=6, lr=1e3, patience=2), **run)
+    assert (fit.epochs, fit.kept_epoch, fit.stopped_early, fit.steps) == (2, 0, True, 6)
+    assert returned.top1 == 1 and all(torch.equal(v, teacher.state_dict()[k]) for k, v in exact.state_dict().items())
+    assert any(p.top1 < 1 for p in fit.passes)
+    fitted = measure_agreement(student, check, targets)
+    fit, returned = distill_logits(student, teacher, batches, check, targets, fitted,
+                                   DistillOptions(epochs=20, lr=1e-2, patience=None), **run)
+    assert fit.epochs == 20 and fit.steps == 60 and fit.kept_epoch > 0 and returned.kl < fitted.kl
+    assert returned == measure_agreement(student, check, targets) == fit.passes[fit.kept_epoch - 1]
+    assert returned.kl == min(p.kl for p in fit.passes)
+
+
+def test_distillation_matches_the_fitted_layers_outputs():
+    """The feature term of the distillation's loss: for each (layer, target) pair, the converted layer's output
+    against the original's value at the target module, `|a - t|^2 / |t|^2` averaged over the pairs; the hooks go
+    when it closes."""
+    from timm_affinediv.convert.distill import _MatchedOutputs
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+    teacher = nn.Sequential(nn.Linear(4, 5), nn.Sequential(nn.ReLU()), nn.Linear(5, 3))
+    x = torch.randn(6, 4)
+    matched = _MatchedOutputs(student, teacher, [('0', '0'), ('2', '2'), ('1', '1.0')])
+    with torch.no_grad():
+        teacher(x)
+    student(x)
+    with torch.no_grad():
+        a = [student[0](x), student(x), student[1](student[0](x))]
+        t = [teacher[0](x), teacher(x), teacher[1](teacher[0](x))]
+    expected = sum(((p - q).square().sum() / q.square().sum()).item() for p, q in zip(a, t)) / 3
+    assert matched.loss().item() == pytest.approx(expected, rel=1e-5) and not matched.values
+    matched.close()
+    assert not any(m._forward_hooks for m in [*student.modules(), *teacher.modules()])
+
+
+def test_options_by_dotted_names_and_flat_keywords_refused():
+    """`ConvertOptions.updated` sets a group's option by its dotted name and refuses an unknown one, naming the known;
+    a flat keyword of the earlier `convert_model` is refused with the grouped form, never passed to timm."""
+    options = ConvertOptions().updated({'fit.ridge': 0.5, 'distill.epochs': 2, 'seed': 3})
+    assert (options.fit.ridge, options.distill.epochs, options.seed) == (0.5, 2, 3)
+    assert options.distill.lr == DistillOptions.lr and ConvertOptions().fit.ridge == FitOptions.ridge
+    with pytest.raises(ConversionError, match=r"unknown conversion option 'distill\.foo': use one of fit\.ridge"):
+        ConvertOptions().updated({'distill.foo': 1})
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    with pytest.raises(ConversionError, match=r"'distill_epochs' is not a keyword of convert_model: .*ConvertOptions"):
+        convert_model(model, distill_epochs=0)
 
 
 def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_loss():
     """A block's Adam steps stop after the first pass over the calibration batches whose mean loss is not at least
-    `tolerance` below the best pass's, and at `max_steps` at the latest."""
-    from timm_affinediv.convert.reconstruct import ReconstructionOptions, _train
+    `tolerance` below the best pass's, and at `steps` at the latest."""
+    from timm_affinediv.convert.reconstruct import _train
     torch.manual_seed(0)
     layer, teacher = nn.Linear(4, 4), nn.Linear(4, 4)
     inputs = [torch.randn(16, 4) for _ in range(4)]
@@ -240,13 +327,13 @@ def test_reconstruction_stops_when_a_pass_over_the_batches_stops_lowering_the_lo
         out = layer(inputs[i])
         losses.append(((out - targets[i]).square().sum() / targets[i].square().sum()).item())
         return out
-    options = ReconstructionOptions(max_steps=4000, lr=3e-2, tolerance=0.05)
+    options = ReconstructOptions(steps=4000, lr=3e-2, tolerance=0.05)
     steps = _train(list(layer.parameters()), output, targets, options, torch.Generator().manual_seed(0))
     passes = [sum(losses[i:i + 4]) / 4 for i in range(0, steps, 4)]
     assert steps % 4 == 0 and 8 <= steps < 4000
     assert passes[-1] > (1 - 0.05) * min(passes[:-1]) and all(
         b <= (1 - 0.05) * min(passes[:i + 1]) for i, b in enumerate(passes[1:-1])), passes
-    assert _train(list(layer.parameters()), output, targets, ReconstructionOptions(max_steps=6), torch.Generator()) == 6
+    assert _train(list(layer.parameters()), output, targets, ReconstructOptions(steps=6), torch.Generator()) == 6
 
 
 def test_affinediv_mode_corrects_every_affine_map(data):
@@ -408,7 +495,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
     model = _randomised(name).double()
     batches = [x[i:i + 6].double() for i in range(0, 12, 6)]
     reference, errors = _reference_convert(model, batches, positions_per_batch=200)
-    converted, report = convert_model(model, calibration=batches, positions_per_batch=200, distill_epochs=0)
+    converted, report = convert_model(model, calibration=batches, options=fit_only(positions_per_batch=200))
     assert [f.layer for f in report.layers] == [n for n, m in reference.named_modules()
                                                  if isinstance(m, (PatchNormConv2d, AffineDivLinear))]
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], errors, rtol=1e-4, atol=1e-6)
@@ -420,8 +507,7 @@ def test_one_pass_calibration_matches_the_layer_by_layer_fit(name, data):
         agree = sum((model(b).argmax(1) == converted(b).argmax(1)).sum().item() for b in batches) / 12
     assert report.top1_agreement_calibrated == pytest.approx(agree)
     # activations spilled to disk (no memory budget) give the very same model
-    spilled, _ = convert_model(model, calibration=batches, positions_per_batch=200, calib_memory=0,
-                               distill_epochs=0)
+    spilled, _ = convert_model(model, calibration=batches, options=fit_only(positions_per_batch=200, calib_memory=0))
     for key, value in spilled.state_dict().items():
         torch.testing.assert_close(value, converted.state_dict()[key], rtol=0, atol=0, msg=key)
 
@@ -452,7 +538,8 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         '--model', 'resnet18', '--pretrained', '--num-classes', '10', '--model-kwargs',
         f'pretrained_cfg_overlay={overlay!r}', 'channels=(16,32,64,128)', 'stem_width=16',
         '--dataset', '', '--data-dir', str(tmp_path / 'images'), '--calib-images', '5', '-b', '4', '--eval-images', '0',
-        '--device', 'cpu', '--reconstruct-steps', '2', '--reconstruct-threshold', '0',
+        '--device', 'cpu', '--reconstruct-steps', '2', '--reconstruct-threshold', '0', '--heldout-images', '0',
+        '--distill-epochs', '0',
         '--output', str(tmp_path / 'out')])
     assert status == 0 and (tmp_path / 'out' / 'model.safetensors').is_file()
     images = torch.cat(seen)
@@ -466,7 +553,8 @@ def test_convert_script_reads_a_folder_with_the_models_own_transforms(tmp_path, 
         assert (expected - x).abs().flatten(1).max(1).values.min() < 1e-4
     report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
     assert report['calibration_images'] == 5 and report['layers']
-    assert report['blocks'] and all(b['steps'] == 2 for b in report['blocks']) and report['reconstruct_threshold'] == 0
+    assert report['blocks'] and all(b['steps'] == 2 for b in report['blocks'])
+    assert report['options']['reconstruct'] == dict(steps=2, threshold=0, lr=3e-3, tolerance=0.02)
     card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
     assert (f"{len(report['blocks'])} of {len(report['blocks'])} blocks had a relative squared output error above 0 "
             'after the fit and were reconstructed ((stem): 2 Adam steps') in card, card
@@ -480,9 +568,89 @@ def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
     x, _ = _tensors('train', 40)
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
     _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), calibration=(x[i:i + 16] for i in range(0, 40, 16)),
-                                     eval_images=0, distill_epochs=0, progress=False)
+                                     eval_images=0, options=fit_only())
     assert report.calibration_batches == 3 and report.calibration_images == 40 and report.layers
     assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+
+
+def _shared_images(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many images of `a` are also in `b`, exactly."""
+    return int(((a.flatten(1)[:, None] - b.flatten(1)[None]).abs().amax(-1) == 0).any(1).sum())
+
+
+def test_conversion_images_are_disjoint_draws_of_the_training_split():
+    """`conversion_images`: the calibration images are those the command always drew (the eval loader's fixed
+    subset), the held-out ones and the distillation ones follow them in the same fixed order, none shared; the
+    distillation images come augmented, each pass anew."""
+    from timm.data import create_transform
+
+    from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+    from timm_affinediv.model_io import conversion_images
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+    images = conversion_images('fashion-mnist', None, cfg, 16, calib_images=48, heldout_images=32, distill_images=40)
+    calib, heldout = torch.cat(images.calibration), torch.cat(images.heldout)
+    expected = torch.cat([x for x, _ in create_eval_loader('fashion-mnist', None, cfg, 16, split='train', subset=48,
+                                                           workers=0)])
+    assert torch.equal(calib, expected) and heldout.shape == (32, 1, 32, 32)
+    assert images.distill_images == 40 and len(images.distill) == 3
+    plain = FashionMNIST(transform=create_transform(**cfg))
+    distill = torch.stack([plain[i][0] for i in images.distill.dataset.indices])
+    assert _shared_images(heldout, calib) == 0 and _shared_images(distill, torch.cat([calib, heldout])) == 0
+    first, second = (torch.cat([x for x, _ in images.distill]) for _ in range(2))
+    assert first.shape == (40, 1, 32, 32) and _shared_images(first, distill) < 20 and not torch.equal(first, second)
+
+
+def test_distillation_on_augmented_images_is_the_same_from_the_same_seed():
+    """A distillation on a dataset read with timm's train-time augmentation (crops, flips, a random interpolation:
+    torch's, Python's and numpy's generators) gives the same model from the same seed, and leaves the caller's
+    Python's and numpy's generators as they were."""
+    import random
+
+    from timm_affinediv.data import resolve_dataset_data_config
+    from timm_affinediv.model_io import conversion_images
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+    images = conversion_images('fashion-mnist', None, cfg, 16, calib_images=32, heldout_images=16, distill_images=32)
+    assert len(images.distill.dataset.dataset.transform.transforms[0].interpolation) == 2  # drawn by random.choice
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    options = ConvertOptions(distill=DistillOptions(epochs=1, threshold=1), seed=5)
+    random.seed(7)
+    np.random.seed(7)
+    state = random.getstate(), np.random.get_state()[1].copy()
+    runs = [convert_model(model, calibration=images.calibration, heldout=images.heldout,
+                          distill_data=images.distill, options=options)[0] for _ in range(2)]
+    assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()
+    assert all(torch.equal(v, runs[1].state_dict()[k]) for k, v in runs[0].state_dict().items())
+
+
+def test_convert_command_distils_on_further_images_and_reports_the_heldout_agreement(tmp_path, capsys):
+    """`convert --distill-images N --heldout-images M`: the flags reach `ConvertOptions`, the distillation reads N
+    further training images a pass, the held-out agreement before and after is in the report, the output and the
+    card, and the report's options are the flags'."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
+    save_file(model.state_dict(), str(tmp_path / 'model.safetensors'))
+    status = convert_command([
+        '--model', 'resnet18', '--checkpoint', str(tmp_path / 'model.safetensors'), '--num-classes', '10',
+        '--in-chans', '1', '--model-kwargs', 'channels=(16,32,64,128)', 'stem_width=16', '--calib-images', '64',
+        '-b', '32', '--heldout-images', '48', '--distill-images', '96', '--distill-epochs', '2', '--distill-threshold',
+        '1', '--distill-lr', '3e-4', '--ridge', '0.02', '--eval-images', '64', '--device', 'cpu',
+        '--output', str(tmp_path / 'out')])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / 'out' / 'conversion_report.json').read_text())
+    assert status == 0 and report['heldout_images'] == 48 and report['metrics']['distill_images'] == 96
+    d = report['distillation']
+    assert d['images'] == 96 and d['steps'] == 3 * d['epochs'] and len(d['passes']) == d['epochs'] >= 1
+    assert report['options']['distill'] == dict(epochs=2, lr=3e-4, features=1.0, warmup=0.2, threshold=1,
+                                                patience=1, batch_size=32)
+    assert report['options']['fit']['ridge'] == 0.02
+    fitted = report['agreement_fitted']['top1']
+    assert f'on the 48 held-out images (neither fitted nor distilled on): after the fit {100 * fitted:.2f}%' in out
+    card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
+    assert f'top-1 agreement with the original on the 48 held-out images (neither fitted nor distilled on) ' \
+           f'{100 * fitted:.1f}%' in card, card
+    assert 'The distillation images are 96 further fashion-mnist training images' in card
 
 
 def test_convert_script_refuses_missing_pretrained_weights(tmp_path, capsys):
@@ -496,8 +664,8 @@ def test_sample_budget_per_unknown_bounds_every_fit(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 64, 16)]
-    _, full = convert_model(model, calibration=batches, positions_per_unknown=None, distill_epochs=0)
-    converted, budgeted = convert_model(model, calibration=batches, positions_per_unknown=2, distill_epochs=0)
+    _, full = convert_model(model, calibration=batches, options=fit_only(positions_per_unknown=None))
+    converted, budgeted = convert_model(model, calibration=batches, options=fit_only(positions_per_unknown=2))
     modules = dict(converted.named_modules())
     for fit, unbounded in zip(budgeted.layers, full.layers):
         layer = modules[fit.layer]
@@ -564,9 +732,9 @@ def test_half_precision_model_converts_in_its_dtype(data):
     (x, _), _ = data
     model = _randomised('resnet18')
     batches = [x[i:i + 16] for i in range(0, 32, 16)]
-    _, full = convert_model(model, calibration=batches, distill_epochs=0)
+    _, full = convert_model(model, calibration=batches, options=fit_only())
     half, report = convert_model(copy.deepcopy(model).bfloat16(), calibration=[b.bfloat16() for b in batches],
-                                 distill_epochs=0)
+                                 options=fit_only())
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     # the fits are summed in float32: bfloat16's own rounding of the activations is all that differs
     np.testing.assert_allclose([f.rel_err_after for f in report.layers], [f.rel_err_after for f in full.layers],

@@ -12,7 +12,7 @@ from test_train import _interrupt_at_update  # SIGINT after an optimiser update,
 
 import timm_affinediv.commands.finetune as finetune_command
 from timm_affinediv.commands import main
-from timm_affinediv.convert import convert_model
+from timm_affinediv.convert import ConvertOptions, DistillOptions, convert_model
 from timm_affinediv.data import FASHION_MNIST_DIR
 from timm_affinediv.export import export_onnx
 from timm_affinediv.hub import save_hub_folder
@@ -116,7 +116,8 @@ def _channels_last_model() -> torch.nn.Module:
 def test_convert_a_channels_last_model_and_save_it(tmp_path):
     original = _channels_last_model()
     calibration = [_images(seed).to(memory_format=torch.channels_last) for seed in range(2)]
-    converted, _ = convert_model(original, calibration=calibration, distill_epochs=0)
+    fit_only = ConvertOptions(distill=DistillOptions(epochs=0))
+    converted, _ = convert_model(original, calibration=calibration, options=fit_only)
     weight = converted.layer1[0].conv1.weight
     assert weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous()
     x = _images(5).to(memory_format=torch.channels_last)

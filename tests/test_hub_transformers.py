@@ -15,6 +15,7 @@ import torch
 from hub_server import HubServer
 from test_hub import _isolate_hub_env
 
+from timm_affinediv.convert import ConvertOptions, DistillOptions
 from timm_affinediv.data import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, FashionMNIST
 from timm_affinediv.hub import PLUGIN_HINT, push_to_hub
 from timm_affinediv.model_io import convert_to_folder
@@ -46,7 +47,9 @@ def folders(tmp_path_factory) -> dict:
     torch.manual_seed(0)
     baseline = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW).eval()
     converted, _, _ = convert_to_folder(baseline, str(tmp / 'converted'), calib_images=32, batch_size=16,
-                                        eval_images=32, distill_epochs=0, progress=False)
+                                        eval_images=32,
+                                        heldout_images=0, distill_images=0,
+                                        options=ConvertOptions(distill=DistillOptions(epochs=0)))
     result = Trainer(TrainConfig(
         model='resnet18', norm_layer='patchnorm', num_classes=10, epochs=1, train_subset=32, val_subset=16,
         batch_size=16, workers=0, output=str(tmp / 'run'), progress=False), model=copy.deepcopy(converted)).fit()

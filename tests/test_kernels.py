@@ -616,13 +616,16 @@ def test_cuda_compiled_model_has_no_graph_breaks(kernels):
 def test_cuda_convert_model_on_the_gpu():
     """`convert_model` of a model already on the GPU, with `device='cuda'` and calibration batches on the CPU: every
     tensor follows the model, and the converted model computes what a conversion on the CPU gives."""
-    from timm_affinediv import convert_model
+    from timm_affinediv import ConvertOptions, convert_model
+    from timm_affinediv.convert import DistillOptions
     torch.manual_seed(0)
     model = timm.create_model('resnet18', num_classes=10).eval()
     calibration = [torch.randn(8, 3, 64, 64) for _ in range(2)]
     # the fit alone: reconstruction's Adam steps would differ between the devices by their floating-point order
-    on_cpu, _ = convert_model(model, calibration=calibration, device='cpu', distill_epochs=0)
-    converted, _ = convert_model(model.cuda(), calibration=calibration, device='cuda', distill_epochs=0)
+    fit_only = DistillOptions(epochs=0)
+    on_cpu, _ = convert_model(model, calibration=calibration, options=ConvertOptions(distill=fit_only, device='cpu'))
+    converted, _ = convert_model(model.cuda(), calibration=calibration,
+                                 options=ConvertOptions(distill=fit_only, device='cuda'))
     assert all(p.is_cuda for p in converted.parameters())
     with torch.no_grad():
         x = calibration[0]

@@ -425,16 +425,21 @@ def test_train_py_model_flags(tmp_path):
 
 def test_conversion_calibrates_on_a_stream(wds_dir, tmp_path):
     """`convert_to_folder(dataset='wds/...')` (as `timm-affinediv convert --dataset wds/...`) calibrates on the
-    stream's first images, read with the model's eval transforms, and the card names the stream."""
+    stream's first images, read with the model's eval transforms, holds out the next ones and distils on those after
+    them (as many as the stream has), and the card names the stream."""
     import timm
 
+    from timm_affinediv.convert import ConvertOptions, DistillOptions
     from timm_affinediv.model_io import convert_to_folder
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, channels=(16, 32, 64, 128), stem_width=16,
                               pretrained_cfg_overlay=dict(input_size=(1, 32, 32), crop_pct=1.0)).eval()
     _, report, metrics = convert_to_folder(model, str(tmp_path / 'out'), dataset='wds/fmnist', data_dir=str(wds_dir),
-                                           calib_images=24, batch_size=8, eval_images=16, progress=False,
-                                           distill_epochs=0)
-    assert (report.calibration_images, report.calibration_batches) == (24, 3) and report.layers
+                                           calib_images=16, heldout_images=8, distill_images=64, batch_size=8,
+                                           eval_images=16,
+                                           options=ConvertOptions(distill=DistillOptions(epochs=1, threshold=1)))
+    assert (report.calibration_images, report.calibration_batches) == (16, 2) and report.layers
+    assert report.heldout_images == 8 and report.distillation.images == 8 == metrics['distill_images']
     assert metrics['converted']['top1'] >= 0 and 'original' in metrics
     card = ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
-    assert 'on 24 wds/fmnist training images (3 batches, no labels)' in card, card
+    assert 'on 16 wds/fmnist training images (2 batches, no labels)' in card, card
+    assert 'The distillation images are 8 further wds/fmnist training images' in card, card

@@ -12,7 +12,7 @@ except TimmVersionError as error:
     raise
 
 from ._pillow_compat import install_posterize_shim
-from .convert import ConversionError, ConversionReport, convert_model
+from .convert import ConversionError, ConversionReport, ConvertOptions, convert_model
 from .diagnostics import LayerFactorStats, divergence_report, format_report, plot_report, update_factor
 from .errors import AffineDivError
 from .hub import HubError, push_to_hub, save_hub_folder

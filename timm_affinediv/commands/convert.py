@@ -8,11 +8,15 @@
 
 `--dataset` takes what `timm-affinediv finetune` reads: an image folder (`--dataset '' --data-dir PATH`:
 `PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) or timm's `torch/`, `hfds/`, `hfids/`,
-`wds/`, `tfds/` datasets (a stream's first images); they are read with the model's own eval transforms (timm
-`resolve_data_config` of its `pretrained_cfg`: size, crop, mean and std).
+`wds/`, `tfds/` datasets. Three disjoint draws of its training split (a stream's first images, then the next): the
+calibration images and the held-out ones, read with the model's own eval transforms (timm `resolve_data_config` of
+its `pretrained_cfg`: size, crop, mean and std), and the distillation images, streamed with timm's train-time
+augmentation. The held-out agreement with the original after the fit decides whether the model is distilled; the
+output, conversion_report.json and the model card give it before and after.
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 """
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -30,40 +34,78 @@ from timm_affinediv.cli import (
     run_main,
 )
 from timm_affinediv.commands import command_parser
-from timm_affinediv.convert import CONVERSION_NORMS
-from timm_affinediv.model_io import convert_to_folder, load_trained_model
+from timm_affinediv.convert import CONVERSION_NORMS, ConvertOptions, DistillOptions, FitOptions, ReconstructOptions
+from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, convert_to_folder, load_trained_model
+
+
+def add_conversion_args(parser: argparse.ArgumentParser) -> None:
+    """ The conversion's flags, one group for each part of `ConvertOptions` (`convert_options` maps them onto it),
+    each with the image counts it reads."""
+    fit, d, r = FitOptions, DistillOptions, ReconstructOptions
+    group = parser.add_argument_group('calibration and the least-squares fit (FitOptions)')
+    group.add_argument('--calib-batches', type=non_negative_int, default=32, help='0: the analytic map only')
+    group.add_argument('--calib-images', type=non_negative_int,
+                       help='calibration images, the first of a fixed random order of the training split '
+                            '(default: --calib-batches x --batch-size)')
+    group.add_argument('-b', '--batch-size', type=positive_int, default=64)
+    group.add_argument('--ridge', type=positive_float, default=fit.ridge,
+                       help="the fit's pull towards the analytic map, relative to the normal equations' mean diagonal")
+    group.add_argument('--positions-per-unknown', type=positive_float, default=fit.positions_per_unknown,
+                       help="output positions sampled for a layer's fit, per unknown")
+    group.add_argument('--calib-memory', type=positive_float, default=fit.calib_memory / 2 ** 30,
+                       help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
+    group = parser.add_argument_group(
+        'distillation after the fit, where the held-out agreement is under --distill-threshold (DistillOptions)')
+    group.add_argument('--heldout-images', type=non_negative_int, default=HELDOUT_IMAGES,
+                       help='training images after the calibration ones, neither fitted nor distilled on: the '
+                            'agreement that triggers the distillation, stops it and is reported (0: measured on the '
+                            'calibration images)')
+    group.add_argument('--distill-images', type=non_negative_int, default=DISTILL_IMAGES,
+                       help='training images after those, streamed with train-time augmentation, that the model is '
+                            'distilled on (0: the calibration images)')
+    group.add_argument('--distill-epochs', type=non_negative_int, default=d.epochs,
+                       help='passes over the distillation images at most (0: no distillation)')
+    group.add_argument('--distill-threshold', type=non_negative_float, default=d.threshold,
+                       help='held-out top-1 agreement (0 to 1) under which the model is distilled (1: always)')
+    group.add_argument('--distill-lr', type=positive_float, default=d.lr, help="Adam's peak learning rate")
+    group.add_argument('--distill-patience', type=non_negative_int, default=d.patience,
+                       help='stop after this many passes that do not lower the held-out KL')
+    group = parser.add_argument_group('block reconstruction after the fit, before distillation (ReconstructOptions)')
+    group.add_argument('--reconstruct-steps', type=non_negative_int, default=r.steps,
+                       help='Adam steps per block at most, on the calibration images (0: none)')
+    group.add_argument('--reconstruct-threshold', type=non_negative_float, default=r.threshold,
+                       help="where the fitted model's logits have a relative squared error above this, the blocks "
+                            'whose output has one above it are reconstructed (0: every block)')
+    group.add_argument('--reconstruct-lr', type=positive_float, default=r.lr, help="Adam's learning rate")
+    group = parser.add_argument_group('run')
+    group.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'), help="'auto': CUDA when available")
+    group.add_argument('--seed', type=non_negative_int, default=0,
+                       help="seed of the fit's sampled positions and of the distillation's order and augmentation")
+
+
+def convert_options(args: argparse.Namespace) -> ConvertOptions:
+    """`ConvertOptions` of `add_conversion_args`' flags."""
+    return ConvertOptions(
+        fit=FitOptions(ridge=args.ridge, positions_per_unknown=args.positions_per_unknown,
+                       calib_memory=int(args.calib_memory * 2 ** 30)),
+        reconstruct=ReconstructOptions(steps=args.reconstruct_steps, threshold=args.reconstruct_threshold,
+                                       lr=args.reconstruct_lr),
+        distill=DistillOptions(epochs=args.distill_epochs, threshold=args.distill_threshold, lr=args.distill_lr,
+                               patience=args.distill_patience, batch_size=args.batch_size),
+        device=args.device, progress=True, seed=args.seed)
 
 
 def main(argv=None) -> int:
     parser = command_parser('convert', __doc__)
     add_model_args(parser, help={'--num-classes': 'classes of the checkpoint (timm model name only)',
                                  '--in-chans': 'input channels of the checkpoint (timm model name only)'})
+    group = add_data_args(parser, old_source_flags=('--calib-data',), any_dataset=True)
+    group.add_argument('--eval-images', type=non_negative_int,
+                       help='validation images for the top-1 figures (default: all; 0: no evaluation)')
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
-    add_data_args(parser, old_source_flags=('--calib-data',), any_dataset=True)
-    parser.add_argument('--calib-batches', type=non_negative_int, default=32, help='0: the analytic map only')
-    parser.add_argument('--calib-images', type=non_negative_int,
-                        help='calibration images (default: --calib-batches x --batch-size)')
-    parser.add_argument('-b', '--batch-size', type=positive_int, default=64)
-    parser.add_argument('--eval-images', type=non_negative_int,
-                        help='validation images for the top-1 figures (default: all; 0: no evaluation)')
-    parser.add_argument('--device', default='auto', choices=('auto', 'cpu', 'cuda'),
-                        help="'auto': CUDA when available")
-    parser.add_argument('--calib-memory', type=positive_float, default=4.0,
-                        help='GiB of activations kept in memory during calibration; beyond it they spill to disk')
-    parser.add_argument('--distill-epochs', type=non_negative_int, default=6,
-                        help="epochs of distillation of the whole model on the original's logits after the fit, on "
-                             'the calibration images (0: none)')
-    parser.add_argument('--distill-threshold', type=non_negative_float, default=0.01,
-                        help="it runs where the fitted model's logits have a relative squared error above this "
-                             '(0: always)')
-    parser.add_argument('--reconstruct-steps', type=non_negative_int, default=0,
-                        help='Adam steps per block at most of block-wise reconstruction after the fit, on the '
-                             'calibration images, before any distillation (0, the default: none)')
-    parser.add_argument('--reconstruct-threshold', type=non_negative_float, default=0.1,
-                        help="where the fitted model's logits have a relative squared error above this, the blocks "
-                             'whose output has one above it are reconstructed (0: every block)')
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
+    add_conversion_args(parser)
     args = parser.parse_args(argv)
     if not args.overwrite:
         refuse_existing_output(args.output)
@@ -73,13 +115,13 @@ def main(argv=None) -> int:
     converted, report, metrics = convert_to_folder(
         model, args.output, norm=args.norm, dataset=args.dataset, data_dir=args.data_dir,
         calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
-        eval_images=args.eval_images, device=args.device, calib_memory=int(args.calib_memory * 2 ** 30),
-        reconstruct_steps=args.reconstruct_steps, reconstruct_threshold=args.reconstruct_threshold,
-        distill_epochs=args.distill_epochs, distill_threshold=args.distill_threshold,
+        heldout_images=args.heldout_images, distill_images=args.distill_images, eval_images=args.eval_images,
+        options=convert_options(args),
         base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
             model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
         overwrite=args.overwrite, **args.model_kwargs)
     print(report.format_table())
+    print(report.describe())
     if 'converted' in metrics:
         print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
     print(f'wrote {Path(args.output).resolve()} (conversion_report.json beside the weights)')

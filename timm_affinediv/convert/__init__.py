@@ -35,11 +35,15 @@ LayerNorm the slot takes `gamma` and `beta` as they are.
 
 The package's modules, one job each: `rebuild` (the architecture rebuilt, the weights carried over and mapped),
 `graph` (the traced walk and its activation cache), `features` (the fit's rows gathered from the activations),
-`solver` (the normal equations and their solve), `api` (`convert_model`, `CalibrationOptions`, the report).
+`solver` (the normal equations and their solve), `reconstruct` (block reconstruction), `distill` (logit
+distillation), `options` (`ConvertOptions` and its groups), `api` (`convert_model`, the report).
 """
 from ..errors import ConversionError
-from .api import CalibrationOptions, ConversionReport, LayerFit, convert_model, positions_per_batch_for
+from .api import ConversionReport, LayerFit, convert_model, positions_per_batch_for
+from .distill import Agreement, DistillationFit
+from .options import ConvertOptions, DistillOptions, FitOptions, ReconstructOptions
 from .rebuild import CONVERSION_NORMS, build_converted, model_in_chans
 
-__all__ = ['convert_model', 'ConversionError', 'ConversionReport', 'LayerFit', 'CalibrationOptions',
-           'CONVERSION_NORMS', 'build_converted', 'model_in_chans', 'positions_per_batch_for']
+__all__ = ['convert_model', 'ConversionError', 'ConversionReport', 'LayerFit', 'ConvertOptions', 'FitOptions',
+           'ReconstructOptions', 'DistillOptions', 'Agreement', 'DistillationFit', 'CONVERSION_NORMS',
+           'build_converted', 'model_in_chans', 'positions_per_batch_for']

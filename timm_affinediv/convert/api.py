@@ -1,11 +1,14 @@
 """ The conversion's entry point: `convert_model`, its options and its report (see the package docstring) """
+import contextlib
 import copy
 import logging
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from timm.layers import BatchNormAct2d
@@ -15,56 +18,25 @@ from ..errors import ConversionError
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from ..layers.binding import fuses_qkv_bias, separate_qkv_biases
 from ..layers.slot import PatchNormSlot
-from .distill import DistillationFit, DistillationOptions, distill_logits
+from .distill import (
+    Agreement,
+    DistillationFit,
+    batch_images,
+    compare_logits,
+    distill_logits,
+    distillation_batches,
+    measure_agreement,
+)
 from .features import layer_params, output_targets, patch_features, set_layer_params
 from .graph import ActivationCache, GraphWalk, trace
+from .options import ConvertOptions, FitOptions, option_names
 from .rebuild import architecture, build_converted, carry_weights, check_norms, model_in_chans
-from .reconstruct import BlockFit, ReconstructionOptions, reconstruct_blocks, relative_squared_error
+from .reconstruct import BlockFit, reconstruct_blocks, relative_squared_error
 from .solver import NormalEquations
 
-__all__ = ['convert_model', 'ConversionReport', 'LayerFit', 'CalibrationOptions', 'positions_per_batch_for']
+__all__ = ['convert_model', 'ConversionReport', 'LayerFit', 'positions_per_batch_for']
 
 _logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CalibrationOptions:
-    """ How the corrected layers are fitted to the original (`convert_model`'s keyword arguments of the same names).
-
-    Args:
-        ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the normal equations.
-        positions_per_batch: output positions sampled per batch and layer for the fit, at most.
-        positions_per_unknown: at most this many sampled positions per unknown of a layer's fit, over all batches
-            (None: `positions_per_batch` from every batch).
-        analytic_batches: the first calibration batches the analytic map's top-1 agreement is measured on
-            (None: all; 0: not measured).
-        calib_memory: bytes of activations kept between two steps of the calibration walk; beyond, they spill to disk.
-        cache_dtype: the dtype those activations are kept in (None: as computed).
-        reconstruct_steps: Adam steps per block at most of the block-wise reconstruction after the fit
-            (`reconstruct.py`; 0: none).
-        reconstruct_threshold: where the fitted model's logits have a relative squared error above this, the blocks
-            whose output has one above it are reconstructed.
-        reconstruct_lr: its learning rate.
-        distill_epochs: epochs of logit distillation of the whole model after the fit (`distill.py`; 0: none).
-        distill_threshold: it runs where the fitted model's logits have a relative squared error above this.
-        distill_lr: its peak learning rate.
-        progress: show a progress bar.
-        seed: seed of the positions' draw and of the reconstruction's and distillation's batch order.
-    """
-    ridge: float = 1e-2
-    positions_per_batch: int = 2048
-    positions_per_unknown: Optional[float] = 32.
-    analytic_batches: Optional[int] = 1
-    calib_memory: int = 4 << 30
-    cache_dtype: Optional[torch.dtype] = None
-    reconstruct_steps: int = 0
-    reconstruct_threshold: float = 0.1
-    reconstruct_lr: float = 3e-3
-    distill_epochs: int = 6
-    distill_threshold: float = 0.01
-    distill_lr: float = 1e-4
-    progress: bool = False
-    seed: int = 0
 
 
 @dataclass
@@ -81,6 +53,13 @@ class LayerFit:
 
 @dataclass
 class ConversionReport:
+    """ What `convert_model` did and how close the converted model is to the original.
+
+    The agreement fields compare the converted model's top-1 prediction and class distribution with the original's:
+    `agreement_fitted` after the fit (and any reconstruction), `agreement` for the model returned, both on the check
+    images: the `heldout_images` held-out images (neither fitted nor distilled on) where they were given, else the
+    calibration images. `top1_agreement_*` are on the calibration images, as each step left the model.
+    """
     architecture: str
     norm: str
     calibration_batches: int
@@ -90,45 +69,55 @@ class ConversionReport:
     analytic_images: int = 0
     top1_agreement_calibrated: Optional[float] = None
     top1_agreement_reconstructed: Optional[float] = None
-    top1_agreement_distilled: Optional[float] = None
     output_error_calibrated: Optional[float] = None
-    output_error_refitted: Optional[float] = None
     layers: List[LayerFit] = field(default_factory=list)
     blocks: List[BlockFit] = field(default_factory=list)
-    reconstruct_threshold: Optional[float] = None
+    heldout_images: int = 0
+    agreement_fitted: Optional[Agreement] = None
+    agreement: Optional[Agreement] = None
     distillation: Optional[DistillationFit] = None
-    distill_threshold: Optional[float] = None
+    options: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def check_images(self) -> str:
+        """The images the agreement was measured on, in words."""
+        return (f'{self.heldout_images} held-out images (neither fitted nor distilled on)' if self.heldout_images else
+                f'{self.calibration_images} calibration images (no held-out images given)')
+
     def describe(self) -> str:
-        """ What the conversion did, in one sentence: the fit, which blocks were reconstructed (steps each), whether
-        the whole model was distilled, and the converted model's top-1 agreement with the original on the calibration
-        images (the model card's recipe)."""
+        """ What the conversion did, in one sentence: the fit, which blocks were reconstructed (steps each), the
+        agreement with the original on the check images that decided the distillation, what the distillation did,
+        and the agreement of the model returned (the model card's recipe)."""
         text = f'{len(self.layers)} divergence-corrected layers fitted by ridge least squares'
         trained = [b for b in self.blocks if b.steps]
+        reconstruct = (self.options or {}).get('reconstruct', {})
         if self.blocks:
             text += (f'; {len(trained)} of {len(self.blocks)} blocks had a relative squared output error above '
-                     f'{self.reconstruct_threshold:g} after the fit and were reconstructed'
+                     f"{reconstruct['threshold']:g} after the fit and were reconstructed"
                      + (' (' + ', '.join(f'{b.block}: {b.steps} Adam steps, error {b.rel_err_before:.3f} -> '
                                          f'{b.rel_err_after:.3f}' for b in trained) + ')' if trained else ''))
-        elif self.reconstruct_threshold is not None:
+        elif reconstruct.get('steps'):
             text += (f"; the fitted model's output (relative squared error {self.output_error_calibrated:.3f}) was "
-                     f'within {self.reconstruct_threshold:g} of the original\'s, so no block was reconstructed')
-        if self.distill_threshold is not None:
-            text += (f"; the {'reconstructed' if self.blocks else 'fitted'} model's output (relative squared error "
-                     f'{self.output_error_refitted:.3f}) was ')
-            d = self.distillation
-            text += (f'within {self.distill_threshold:g} of the original\'s, so it was not distilled' if d is None else
-                     f"above {self.distill_threshold:g}, so the whole model was distilled on the original's logits "
-                     f'for {d.epochs} epochs ({d.steps} Adam steps, mean KL {d.kl_before:.4f} -> {d.kl_after:.4f})')
-        agreement = next((a for a in (self.top1_agreement_distilled, self.top1_agreement_reconstructed,
-                                      self.top1_agreement_calibrated) if a is not None), None)
-        if agreement is not None:
-            text += (f'; top-1 agreement with the original on the {self.calibration_images} calibration images '
-                     f'{100 * agreement:.1f}%')
-        return text
+                     f"within {reconstruct['threshold']:g} of the original's, so no block was reconstructed")
+        a, d = self.agreement_fitted, self.distillation
+        if a is None:
+            return text
+        threshold = self.options['distill']['threshold']
+        text += (f"; top-1 agreement with the original on the {self.check_images} {100 * a.top1:.1f}% "
+                 f'(mean KL {a.kl:.4f}) after the {"reconstruction" if trained else "fit"}')
+        if d is None:
+            return text + (f', at least {100 * threshold:g}%, so it was not distilled'
+                           if self.options['distill']['epochs'] else '')
+        text += (f", under {100 * threshold:g}%, so the whole model was distilled on the original's logits over "
+                 f'{d.images} images a pass, {d.epochs} passes ({d.steps} Adam steps'
+                 + (', stopped early' if d.stopped_early else '') + ')')
+        if d.kept_epoch:
+            return text + (f'; pass {d.kept_epoch} kept: agreement {100 * self.agreement.top1:.1f}% '
+                           f'(mean KL {self.agreement.kl:.4f})')
+        return text + '; no pass agreed better, so the fit was kept'
 
     def format_table(self) -> str:
         """The per-layer fidelity as a markdown table, then the whole-model agreement."""
@@ -143,28 +132,28 @@ class ConversionReport:
                       for b in self.blocks]
         lines.append('')
         if self.top1_agreement_analytic is not None:
-            lines.append(f'top-1 agreement with the original: analytic map {100 * self.top1_agreement_analytic:.2f}% '
-                         f'(first {self.analytic_images} images)'
+            lines.append(f'top-1 agreement with the original on the calibration images: analytic map '
+                         f'{100 * self.top1_agreement_analytic:.2f}% (first {self.analytic_images} images)'
                          + ('' if self.top1_agreement_calibrated is None else
                             f', calibrated {100 * self.top1_agreement_calibrated:.2f}%')
                          + ('' if self.top1_agreement_reconstructed is None else
-                            f', reconstructed {100 * self.top1_agreement_reconstructed:.2f}%')
-                         + ('' if self.top1_agreement_distilled is None else
-                            f', distilled {100 * self.top1_agreement_distilled:.2f}%'))
+                            f', reconstructed {100 * self.top1_agreement_reconstructed:.2f}%'))
+        if self.agreement_fitted is not None:
+            lines.append(f'on the {self.check_images}: after the fit {100 * self.agreement_fitted.top1:.2f}% '
+                         f'(mean KL {self.agreement_fitted.kl:.4f})'
+                         + ''.join(f', pass {i} {100 * p.top1:.2f}% ({p.kl:.4f})'
+                                   for i, p in enumerate(self.distillation.passes if self.distillation else [], 1))
+                         + f'; returned {100 * self.agreement.top1:.2f}% (mean KL {self.agreement.kl:.4f})')
         lines.append(f'{self.architecture} -> {self.norm}, {self.calibration_batches} calibration batches '
                      f'({self.calibration_images} images), {self.seconds:.1f} s')
         return '\n'.join(lines)
 
 
-def _images(batch) -> torch.Tensor:
-    return batch[0] if isinstance(batch, (tuple, list)) else batch
-
-
-def _check_batch(images, in_chans: int) -> None:
+def _check_batch(images, in_chans: int, what: str = 'calibration') -> None:
     if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] != in_chans:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise ConversionError(
-            f'calibration batches must be image tensors (N, {in_chans}, H, W) (or (images, labels) pairs), '
+            f'{what} batches must be image tensors (N, {in_chans}, H, W) (or (images, labels) pairs), '
             f'got {shape}: use data with {in_chans} channel(s) and the size the model was trained at')
 
 
@@ -174,107 +163,120 @@ def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
     return sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in pairs) / sum(len(a) for a, _ in pairs)
 
 
+def _on_device(batches: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
+    # a batch made in inference mode cannot be saved for a backward pass: a copy of it can
+    return [x.to(device).clone() if x.is_inference() else x.to(device) for x in batches]
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """torch's, Python's and numpy's generators seeded with `seed`, and restored after: a dataset's augmentation
+    draws from all three in the loader's process (timm's random interpolation from Python's)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+def _refuse_flat_options(model_kwargs: dict) -> None:
+    """The conversion's settings come in `options`: a keyword naming one of them would reach timm.create_model."""
+    names = {n.rpartition('.')[2] for n in option_names()} | {n.replace('.', '_') for n in option_names()}
+    for key in model_kwargs:
+        if key in names:
+            raise ConversionError(
+                f"'{key}' is not a keyword of convert_model: its settings are one object, options=ConvertOptions("
+                f'fit=FitOptions(...), reconstruct=ReconstructOptions(...), distill=DistillOptions(...), device=..., '
+                f"progress=..., seed=...) (or ConvertOptions().updated({{'distill.epochs': ...}}))")
+
+
 @torch.inference_mode(False)  # the distillation trains the converted model, whatever mode the caller is in
 def convert_model(
         model: nn.Module,
         norm: str = 'patchnorm',
         calibration: Optional[Iterable] = None,
         *,
-        ridge: float = 1e-2,
-        positions_per_batch: int = 2048,
-        positions_per_unknown: Optional[float] = 32.,
-        analytic_batches: Optional[int] = 1,
-        device: Optional[str] = None,
-        calib_memory: int = 4 << 30,
-        cache_dtype: Optional[torch.dtype] = None,
-        reconstruct_steps: int = 0,
-        reconstruct_threshold: float = 0.1,
-        reconstruct_lr: float = 3e-3,
-        distill_epochs: int = 6,
-        distill_threshold: float = 0.01,
-        distill_lr: float = 1e-4,
-        progress: bool = False,
-        seed: int = 0,
+        options: Optional[ConvertOptions] = None,
+        distill_data: Optional[Iterable] = None,
+        heldout: Optional[Iterable] = None,
         **model_kwargs,
 ) -> Tuple[nn.Module, ConversionReport]:
     """ Rebuild `model` (a BatchNorm/LayerNorm timm model) with `norm` ("patchnorm" or "affinediv").
 
     Args:
-        model: the trained timm model; it is not modified (it is moved to `device` and back).
+        model: the trained timm model; it is not modified (it is moved to the options' device and back).
         norm: "patchnorm" (norm slots bound to their convolutions), or "affinediv" (every Conv2d/Linear
             divergence corrected, the slots only affine).
-        calibration: an iterable of image batches (or (images, labels) pairs). Without it, the
-            analytic map only.
-        ridge: strength of the pull towards the analytic map, relative to the mean diagonal of the
-            normal equations.
-        positions_per_batch: output positions sampled per batch and layer for the fit, at most.
-        positions_per_unknown: at most this many sampled positions per unknown of a layer's fit (its fan-in, plus
-            the bias and the slot's shift), over all batches: a least-squares fit needs a multiple of its unknowns,
-            and `U^T U` costs positions x unknowns^2, which would dwarf the forward passes in a wide layer (None:
-            `positions_per_batch` from every batch).
-        analytic_batches: the first calibration batches the analytic map's top-1 agreement with the original is
-            measured on, in a forward pass of its own (None: all; 0: not measured). It is a diagnostic (how much
-            the calibration does), so by default one batch: with a few large images, more would cost a large part
-            of a forward pass. The calibrated model's agreement is measured on all of them, at no cost: the
-            calibration walk computes its output.
-        device: where the forward passes run and the normal equations are accumulated (float32 products) and
-            solved (float64): 'cpu', 'cuda', or 'auto'/None (CUDA when available).
-        calib_memory: bytes of activations kept between two steps of the calibration walk; beyond it
-            they spill to a temporary folder.
-        cache_dtype: the dtype those activations are kept in (None: as computed, exact; torch.float16
-            halves the memory at float16 precision).
-        reconstruct_steps: after the fit, Adam steps per block of block-wise reconstruction (`reconstruct.py`):
-            the layers of each block trained together to reproduce the original block's output on the calibration
-            images, no labels; 0 (default): none. Distillation (below) did better at a lower cost on every family
-            measured (docs/families.md). Holds one block's inputs and outputs on all batches in memory at a time.
-        reconstruct_threshold: where the fitted model's logits have a relative squared error above this, the blocks
-            whose output has one above it are reconstructed.
-        reconstruct_lr: the reconstruction's learning rate.
-        distill_epochs: after the fit (and any reconstruction), epochs of logit distillation (`distill.py`): every
-            parameter of the converted model trained so that its class distribution matches the original's on the
-            calibration images (KL divergence, Adam, the learning rate warmed up then decayed by a cosine; no
-            labels), where the model's logits there have a relative squared error above `distill_threshold`. Each
-            epoch costs about four forward passes of the original over the calibration images; where the fit is
-            enough (ResNet, ConvNeXt, ViT trained at full width) it does not run. 0: never.
-        distill_threshold: the logits' relative squared error above which the model is distilled.
-        distill_lr: the distillation's peak learning rate.
-        progress: show a progress bar.
+        calibration: an iterable of image batches (or (images, labels) pairs), read once and held in memory: every
+            corrected layer is fitted on them (ridge least squares). Without it, the analytic map only.
+        options: how (`ConvertOptions`: the fit, block reconstruction, distillation, device, seed); its defaults
+            where None.
+        distill_data: the images the whole model is distilled on where its agreement with the original is below
+            `options.distill.threshold`: a `Dataset` of images (or (image, label) pairs), read in shuffled batches of
+            `options.distill.batch_size`, or an iterable of batches with a length (a `DataLoader`: streamed, each
+            pass read anew, so a loader with train-time augmentation gives new views each pass). The original's
+            logits are computed on each batch. None: the calibration images.
+        heldout: image batches (or pairs) neither fitted nor distilled on, held in memory: the agreement that
+            decides the distillation, stops it early and is reported is measured there. None: on the calibration
+            images, and the distillation runs its epochs.
         **model_kwargs: passed to `timm.create_model`, over the arguments `model` was created with.
 
     Returns:
         The converted model (in eval mode, on the device and in the memory format of `model`) and the report.
     """
+    _refuse_flat_options(model_kwargs)
+    options = options or ConvertOptions()
     start = time.perf_counter()
     was_training = model.training
     home = next(model.parameters()).device
-    device = resolve_device(device)
+    device = resolve_device(options.device)
     converted = build_converted(model, norm, **model_kwargs).eval()
     norms = check_norms(model, converted)
     carry_weights(model, converted, norms)
-    batches = [_images(b) for b in calibration] if calibration is not None else []
     in_chans = model_in_chans(model)
+    batches = [batch_images(b) for b in calibration] if calibration is not None else []
+    check = [batch_images(b) for b in heldout] if heldout is not None else []
     for x in batches:
         _check_batch(x, in_chans)
+    for x in check:
+        _check_batch(x, in_chans, 'held-out')
+    if not batches and (check or distill_data is not None):
+        raise ConversionError('held-out and distillation images follow the fit: give calibration batches too')
     report = ConversionReport(
         architecture=architecture(model), norm=norm, calibration_batches=len(batches),
-        calibration_images=sum(x.shape[0] for x in batches), seconds=0.0)
+        calibration_images=sum(x.shape[0] for x in batches), seconds=0.0, options=options.to_dict())
     if batches:
         model.eval().to(device)
         converted.to(device)
-        options = CalibrationOptions(
-            ridge=ridge, positions_per_batch=positions_per_batch, positions_per_unknown=positions_per_unknown,
-            analytic_batches=analytic_batches, calib_memory=calib_memory, cache_dtype=cache_dtype,
-            reconstruct_steps=reconstruct_steps, reconstruct_threshold=reconstruct_threshold,
-            reconstruct_lr=reconstruct_lr, distill_epochs=distill_epochs, distill_threshold=distill_threshold,
-            distill_lr=distill_lr, progress=progress, seed=seed)
         try:
-            # a batch made in inference mode cannot be saved for a backward pass: a copy of it can
-            batches = [x.to(device).clone() if x.is_inference() else x.to(device) for x in batches]
-            original_logits, outputs = _calibrate(model, converted, batches, report, options)
-            if options.reconstruct_steps:
+            batches = _on_device(batches, device)
+            original_logits, outputs, original = _calibrate(model, converted, batches, report, options)
+            if options.reconstruct.steps:
                 outputs = _reconstruct(model, converted, batches, original_logits, outputs, report, options)
-            if options.distill_epochs:
-                _distill(converted, batches, original_logits, outputs, report, options)
+            if check:
+                check = _on_device(check, device)
+                with torch.no_grad():
+                    check_targets = [model(x) for x in check]
+                report.heldout_images = sum(len(x) for x in check)
+                report.agreement_fitted = measure_agreement(converted, check, check_targets)
+            else:
+                check, check_targets = batches, original_logits
+                report.agreement_fitted = compare_logits(outputs, original_logits)
+            report.agreement = report.agreement_fitted
+            if options.distill.epochs and (report.agreement_fitted.top1 < options.distill.threshold
+                                           or options.distill.threshold >= 1):
+                data = distillation_batches(batches if distill_data is None else distill_data,
+                                            options.distill.batch_size, options.seed)
+                with _seeded(options.seed):
+                    report.distillation, report.agreement = distill_logits(
+                        converted, original, data, check, check_targets, report.agreement_fitted, options.distill,
+                        early_stop=bool(report.heldout_images), device=device,
+                        targets=[(f.layer, f.target) for f in report.layers])
         finally:
             model.to(home)
         converted.to(home)
@@ -336,16 +338,17 @@ def _qkv_called_as_module(model: nn.Module) -> nn.Module:
 
 
 def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor], report: 'ConversionReport',
-               options: CalibrationOptions) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+               options: ConvertOptions) -> Tuple[List[torch.Tensor], List[torch.Tensor], nn.Module]:
     """ Fit every corrected layer in forward order on the converted prefix's inputs (module docstring); returns the
-    original's logits on the batches and the fitted model's.
+    original's logits on the batches, the fitted model's, and the original as the fits read it (the same function,
+    with each fit's target a module of its own: `LayerFit.target`).
 
     Both models are traced and walked over all batches together (`GraphWalk`): the converted model up to
     the next corrected layer, the original up to that layer's target; the layer is fitted on the cached
     values there, then both walks go on. Each model's graph thus runs once per batch, whatever its depth.
     """
     generator = torch.Generator().manual_seed(options.seed)
-    cache = ActivationCache(options.calib_memory, options.cache_dtype)
+    cache = ActivationCache(options.fit.calib_memory, options.fit.cache_dtype)
     slots = {s.binding.producer: s for s in converted.modules()
              if isinstance(s, PatchNormSlot) and s.binding is not None and s.binding.producer}
     slot_paths = {id(s): n for n, s in converted.named_modules()}
@@ -353,7 +356,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
     targets = {name: slot_paths[id(slots[name])] if name in slots else name for name, _ in layers}
     model = _pre_activation_targets(_qkv_called_as_module(model), targets)
     with torch.no_grad():
-        analytic = [converted(x) for x in batches[:options.analytic_batches]]
+        analytic = [converted(x) for x in batches[:options.fit.analytic_batches]]
         walk = GraphWalk(trace(converted), batches, cache)
         original = GraphWalk(trace(model, targets.values()), batches, cache)
         layers = sorted([(n, m) for n, m in layers if walk.calls(n)], key=lambda item: walk.index[walk.node(item[0])])
@@ -363,7 +366,7 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
             bar = tqdm(total=len(layers), desc='calibrating', unit='layer', leave=False)
         try:
             for name, layer in layers:
-                fit = _fit_layer(name, layer, slots.get(name), targets[name], walk, original, options, generator)
+                fit = _fit_layer(name, layer, slots.get(name), targets[name], walk, original, options.fit, generator)
                 report.layers.append(fit)
                 if bar is not None:
                     bar.update()
@@ -378,43 +381,28 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
         report.analytic_images = sum(len(a) for a in analytic)
     report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
     report.output_error_calibrated = relative_squared_error(walk.outputs, original.outputs)
-    return original.outputs, walk.outputs
+    return original.outputs, walk.outputs, model
 
 
 def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Tensor],
                  original_logits: List[torch.Tensor], outputs: List[torch.Tensor], report: 'ConversionReport',
-                 options: CalibrationOptions) -> List[torch.Tensor]:
+                 options: ConvertOptions) -> List[torch.Tensor]:
     """ Block reconstruction after the fit (`reconstruct.py`), on the blocks whose error is above the threshold,
     where the fitted model's output (its logits' relative squared error on the calibration batches, which the fit
     measured at no cost) is above it too: checking the blocks costs a forward pass of each model, and a model whose
     output the fit reproduces (ResNet, ConvNeXt, ViT) needs no more, whatever its blocks' errors. Returns the
     converted model's logits on the batches after it (`outputs`, the fitted model's, where it did not run)."""
-    report.reconstruct_threshold = options.reconstruct_threshold
-    if report.output_error_calibrated <= options.reconstruct_threshold:
+    if report.output_error_calibrated <= options.reconstruct.threshold:
         return outputs
-    cache = ActivationCache(options.calib_memory, options.cache_dtype)
+    cache = ActivationCache(options.fit.calib_memory, options.fit.cache_dtype)
     try:
         with torch.no_grad():
-            report.blocks, outputs = reconstruct_blocks(model, converted, batches, cache, ReconstructionOptions(
-                max_steps=options.reconstruct_steps, threshold=options.reconstruct_threshold,
-                lr=options.reconstruct_lr, seed=options.seed))
+            report.blocks, outputs = reconstruct_blocks(model, converted, batches, cache, options.reconstruct,
+                                                        options.seed)
     finally:
         cache.close()
     report.top1_agreement_reconstructed = _agreement(original_logits, outputs)
     return outputs
-
-
-def _distill(converted: nn.Module, batches: List[torch.Tensor], original_logits: List[torch.Tensor],
-             outputs: List[torch.Tensor], report: 'ConversionReport', options: CalibrationOptions) -> None:
-    """ Logit distillation of the whole converted model (`distill.py`) where its logits `outputs` on the batches,
-    after the fit and any reconstruction, have a relative squared error above the threshold."""
-    report.distill_threshold = options.distill_threshold
-    report.output_error_refitted = relative_squared_error(outputs, original_logits)
-    if report.output_error_refitted <= options.distill_threshold:
-        return
-    report.distillation, outputs = distill_logits(converted, batches, original_logits, outputs, DistillationOptions(
-        epochs=options.distill_epochs, lr=options.distill_lr, seed=options.seed))
-    report.top1_agreement_distilled = _agreement(original_logits, outputs)
 
 
 def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unknown: Optional[float]) -> int:
@@ -426,7 +414,7 @@ def positions_per_batch_for(unknowns: int, batches: int, per_batch: int, per_unk
 
 
 def _fit_layer(name: str, layer: nn.Module, slot: Optional[PatchNormSlot], target_path: str, walk: GraphWalk,
-               original: GraphWalk, options: CalibrationOptions, generator: torch.Generator) -> 'LayerFit':
+               original: GraphWalk, options: FitOptions, generator: torch.Generator) -> 'LayerFit':
     """Fit one layer on the inputs the converted walk gives it, to the original walk's values at `target_path`."""
     node, target = walk.node(name), original.node(target_path)
     walk.run_until(node)

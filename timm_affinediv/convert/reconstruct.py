@@ -12,7 +12,7 @@ of a block make up for each other: for every block in forward order (the childre
 averaged over the calibration batches, is above `threshold`, its parameters take Adam steps on `e` (one batch a
 step, a new random order each pass over them), `x_conv` the input the converted prefix (already reconstructed) gives
 it, `block_orig(x_orig)` the original's output there, until a pass's mean loss falls by less than `tolerance` or
-`max_steps` are taken (a block left worse than the fit left it gets the fit's parameters back). The layers before the
+`steps` are taken (a block left worse than the fit left it gets the fit's parameters back). The layers before the
 first block (the stem) are fitted the same way to the first block's input, and those after the last (the head) to
 the logits. No labels: post-training quantisation's block
 reconstruction (BRECQ), with the blocks' own parameters as the unknowns.
@@ -32,8 +32,9 @@ import torch.nn as nn
 
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from .graph import ActivationCache, GraphWalk, trace
+from .options import ReconstructOptions
 
-__all__ = ['BlockFit', 'ReconstructionOptions', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error',
+__all__ = ['BlockFit', 'reconstruct_blocks', 'reconstruction_blocks', 'relative_squared_error',
            'restore_parameters']
 
 _CORRECTED = (PatchNormConv2d, AffineDivLinear)
@@ -47,24 +48,6 @@ class BlockFit:
     rel_err_before: float
     rel_err_after: float
     steps: int = 0
-
-
-@dataclass
-class ReconstructionOptions:
-    """ Which blocks are reconstructed, and how far (module docstring).
-
-    Args:
-        max_steps: Adam steps per block at most (0: none reconstructed).
-        threshold: a block is reconstructed where its relative squared error after the fit is above this.
-        lr: Adam's learning rate (constant).
-        tolerance: a block stops once a pass over the batches lowers the mean loss by less than this fraction.
-        seed: seed of the batch order.
-    """
-    max_steps: int = 128
-    threshold: float = 0.1
-    lr: float = 3e-3
-    tolerance: float = 0.02
-    seed: int = 0
 
 
 def reconstruction_blocks(model: nn.Module) -> List[str]:
@@ -121,13 +104,13 @@ def _relative_error(output: Callable[[int], torch.Tensor], targets: List[torch.T
 
 
 def _train(params: List[nn.Parameter], output: Callable[[int], torch.Tensor], targets: List[torch.Tensor],
-           options: ReconstructionOptions, generator: torch.Generator) -> int:
+           options: ReconstructOptions, generator: torch.Generator) -> int:
     """Adam steps on `params` towards `targets`, one batch a step in a new random order each pass, until a pass's
-    mean loss falls by less than `options.tolerance` of the best before it or `options.max_steps`; the steps taken."""
+    mean loss falls by less than `options.tolerance` of the best before it or `options.steps`; the steps taken."""
     optimizer = torch.optim.Adam(params, lr=options.lr)
     best, total, steps = float('inf'), 0., 0
     with torch.enable_grad():
-        while steps < options.max_steps:
+        while steps < options.steps:
             for i in torch.randperm(len(targets), generator=generator).tolist():
                 loss = (output(i) - targets[i]).square().sum() / targets[i].square().sum()
                 optimizer.zero_grad(set_to_none=True)
@@ -135,7 +118,7 @@ def _train(params: List[nn.Parameter], output: Callable[[int], torch.Tensor], ta
                 optimizer.step()
                 total += loss.item()
                 steps += 1
-                if steps == options.max_steps:
+                if steps == options.steps:
                     return steps
             mean, total = total / len(targets), 0.
             if mean > best * (1 - options.tolerance):
@@ -145,10 +128,10 @@ def _train(params: List[nn.Parameter], output: Callable[[int], torch.Tensor], ta
 
 
 def _segment(name: str, params: List[nn.Parameter], output: Callable[[int], torch.Tensor],
-             targets: List[torch.Tensor], options: ReconstructionOptions, generator: torch.Generator) -> BlockFit:
+             targets: List[torch.Tensor], options: ReconstructOptions, generator: torch.Generator) -> BlockFit:
     """One stretch of the converted model brought towards `targets` if its error is above the threshold."""
     before = _relative_error(output, targets)
-    if before <= options.threshold or not params or not options.max_steps:
+    if before <= options.threshold or not params or not options.steps:
         return BlockFit(name, before, before)
     fitted = [p.detach().clone() for p in params]
     steps = _train(params, output, targets, options, generator)
@@ -165,13 +148,14 @@ def _single_input(node: fx.Node) -> Optional[fx.Node]:
 
 
 def reconstruct_blocks(original: nn.Module, converted: nn.Module, batches: List[torch.Tensor],
-                       cache: ActivationCache, options: ReconstructionOptions) -> Tuple[List[BlockFit], List]:
+                       cache: ActivationCache, options: ReconstructOptions, seed: int = 0
+                       ) -> Tuple[List[BlockFit], List]:
     """ Reconstruct `converted` in forward order (module docstring): the stem on the first block's input, each block
     on its output, the head on the logits, each only where its error is above `options.threshold`. Both models in
     eval mode; only `converted`'s parameters change. Returns the fits (every block's, trained or not) and the
     converted model's outputs on the batches (after its reconstruction). `cache` holds the walks' activations (the
     caller closes it)."""
-    generator = torch.Generator().manual_seed(options.seed)
+    generator = torch.Generator().manual_seed(seed)
     blocks = reconstruction_blocks(converted)
     walk = GraphWalk(trace(converted, blocks), batches, cache)
     reference = GraphWalk(trace(original, blocks), batches, cache)
