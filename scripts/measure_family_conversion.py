@@ -101,8 +101,9 @@ def _optimizer(model: nn.Module, recipe: Recipe, steps: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
                                 weight_decay=recipe.weight_decay)
     warmup = max(1, steps // 20)
+    decay = max(1, steps - warmup)  # none in a run of `warmup` steps or fewer (the schedule's last call is at `steps`)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                        0.5 * (1 + math.cos(math.pi * (s - warmup) / (steps - warmup))))
+                                                        0.5 * (1 + math.cos(math.pi * (s - warmup) / decay)))
 
 
 def _step(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -11,6 +11,12 @@ from pathlib import Path
 if not os.path.exists('/dev/nvidiactl'):
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
+# OpenMP's idle threads sleep instead of spinning (set before torch loads libgomp; child processes inherit it): with
+# the default, each idle pool (torch's and MKL's) spins for the CPU while the machine runs other work, and on a
+# 2-core machine shared with one other process, tests of small float64 ops took minutes instead of a second
+# (test_models' update-factor cases: over 600 s against 12 s for six models)
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+
 import pytest
 
 

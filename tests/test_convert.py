@@ -194,9 +194,9 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
     from torch.utils.data import TensorDataset
 
     from timm_affinediv.convert.distill import measure_agreement
-    calib = [x[i:i + 64] for i in range(0, 1024, 64)]
+    calib = [x[i:i + 64] for i in range(0, 512, 64)]
     heldout = [x[1024:1280], x[1280:1536]]
-    distill_data = TensorDataset(x[1536:2560])                               # 1024 images, 16 batches of 64
+    distill_data = TensorDataset(x[1536:2048])                               # 512 images, 8 batches of 64
     before = copy.deepcopy(model.state_dict())
     fitted, fit_report = convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data,
                                        options=ConvertOptions(distill=DistillOptions(threshold=0)))
@@ -211,7 +211,7 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
         convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data, options=options)
         for _ in range(2)]
     d = report.distillation
-    assert d is not None and (d.images, d.epochs, d.steps, len(d.passes)) == (1024, 3, 48, 3), d
+    assert d is not None and (d.images, d.epochs, d.steps, len(d.passes)) == (512, 3, 24, 3), d
     assert not d.stopped_early and d.kept_epoch == min(range(1, 4), key=lambda e: d.passes[e - 1].kl)
     eager = measure_agreement(converted, heldout, targets)
     assert report.agreement.top1 == eager.top1 and report.agreement.kl == pytest.approx(eager.kl, rel=1e-4)
@@ -220,7 +220,7 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
     assert report.agreement.kl < 0.8 * report.agreement_fitted.kl, (report.agreement, report.agreement_fitted)
     assert ("the 512 held-out images (neither fitted nor distilled on)" in report.describe()
             and 'under 100%, so the whole model was distilled' in report.describe()
-            and 'over 1024 images a pass, 3 passes (48 Adam steps)' in report.describe())
+            and 'over 512 images a pass, 3 passes (24 Adam steps)' in report.describe())
     assert f'pass {d.kept_epoch} kept: agreement {100 * report.agreement.top1:.1f}%' in report.describe()
     assert 'pass 3 ' in report.format_table()
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())
