@@ -17,6 +17,7 @@ from ..device import resolve_device
 from ..errors import ConversionError
 from ..layers.affine_div import AffineDivLinear, PatchNormConv2d
 from ..layers.binding import fuses_qkv_bias, separate_qkv_biases
+from ..layers.patches import is_channels_last
 from ..layers.slot import PatchNormSlot
 from .distill import (
     Agreement,
@@ -157,12 +158,6 @@ def _check_batch(images, in_chans: int, what: str = 'calibration') -> None:
             f'got {shape}: use data with {in_chans} channel(s) and the size the model was trained at')
 
 
-def _agreement(logits: List[torch.Tensor], other: List[torch.Tensor]) -> float:
-    """Top-1 agreement over the batches both lists have (`other` may cover only the first ones)."""
-    pairs = list(zip(logits, other))
-    return sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in pairs) / sum(len(a) for a, _ in pairs)
-
-
 def _on_device(batches: List[torch.Tensor], device: torch.device) -> List[torch.Tensor]:
     # a batch made in inference mode cannot be saved for a backward pass: a copy of it can
     return [x.to(device).clone() if x.is_inference() else x.to(device) for x in batches]
@@ -288,9 +283,7 @@ def convert_model(
 
 def _memory_format(model: nn.Module) -> torch.memory_format:
     """`torch.channels_last` where `model`'s convolution weights are in it (`model.to(memory_format=...)`)."""
-    channels_last = any(p.dim() == 4 and not p.is_contiguous() and p.is_contiguous(memory_format=torch.channels_last)
-                        for p in model.parameters())
-    return torch.channels_last if channels_last else torch.contiguous_format
+    return torch.channels_last if any(map(is_channels_last, model.parameters())) else torch.contiguous_format
 
 
 class _NormThenAct(nn.Module):
@@ -377,9 +370,9 @@ def _calibrate(model: nn.Module, converted: nn.Module, batches: List[torch.Tenso
             if bar is not None:
                 bar.close()
     if analytic:
-        report.top1_agreement_analytic = _agreement(original.outputs, analytic)
+        report.top1_agreement_analytic = compare_logits(analytic, original.outputs).top1
         report.analytic_images = sum(len(a) for a in analytic)
-    report.top1_agreement_calibrated = _agreement(original.outputs, walk.outputs)
+    report.top1_agreement_calibrated = compare_logits(walk.outputs, original.outputs).top1
     report.output_error_calibrated = relative_squared_error(walk.outputs, original.outputs)
     return original.outputs, walk.outputs, model
 
@@ -401,7 +394,7 @@ def _reconstruct(model: nn.Module, converted: nn.Module, batches: List[torch.Ten
                                                         options.seed)
     finally:
         cache.close()
-    report.top1_agreement_reconstructed = _agreement(original_logits, outputs)
+    report.top1_agreement_reconstructed = compare_logits(outputs, original_logits).top1
     return outputs
 
 

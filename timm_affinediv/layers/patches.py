@@ -10,7 +10,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ['portable_ops', 'at_least_float32', 'sq_norm', 'channel_sq_norm', 'box_sum', 'patch_sq_norm', 'BoxFilter']
+__all__ = ['portable_ops', 'at_least_float32', 'is_channels_last', 'sq_norm', 'channel_sq_norm', 'box_sum',
+           'patch_sq_norm', 'BoxFilter']
 
 
 def portable_ops() -> bool:
@@ -28,6 +29,11 @@ def portable_ops() -> bool:
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
     """`x` in float32, or as it is if wider (float64): the dtype norms are taken in."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Whether `x` is a 4-d tensor laid out channels-last and not also contiguous (a map whose strides say NHWC)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 # squares are written `x * x` throughout: `square()` is exported as Pow, which ONNX Runtime runs several times

@@ -29,6 +29,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..patches import is_channels_last
 from . import _torch, _triton, dispatch, ops
 
 __all__ = ['TOLERANCE', 'GPU_SIZES', 'verify', 'run_cases']
@@ -82,9 +83,7 @@ _STEPS = {
 }
 
 def _layout(x: Tensor) -> str:
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return 'channels-last'
-    return 'contiguous'
+    return 'channels-last' if is_channels_last(x) else 'contiguous'
 
 
 def verify(x: Tensor) -> None:
