@@ -52,7 +52,7 @@ lint: $(VENV)/.installed
 
 # from an empty directory, so that only the installed package can be imported
 test: setup lint
-	cd "$$(mktemp -d)" && TIMM_AFFINEDIV_WHEEL_TEST=1 $(BIN)/python -m pytest -q -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
+	cd "$$(mktemp -d)" && TIMM_AFFINEDIV_WHEEL_TEST=1 $(BIN)/python -m pytest -q -n auto -p no:cacheprovider --rootdir "$(CURDIR)" "$(CURDIR)/tests"
 
 bench: setup
 	$(BIN)/python scripts/bench.py

@@ -17,6 +17,12 @@ if not os.path.exists('/dev/nvidiactl'):
 # (test_models' update-factor cases: over 600 s against 12 s for six models)
 os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
 
+# under pytest-xdist (`make test` runs `-n auto`) each worker gets its share of the cores: N workers of torch's
+# default (a thread for every core) would contend for them
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+    os.environ.setdefault('OMP_NUM_THREADS', str(max(1, cores // int(os.environ['PYTEST_XDIST_WORKER_COUNT']))))
+
 import pytest
 
 

@@ -213,7 +213,7 @@ FIRST_ONLY = ('--seeds', '--families')
 #: appended where the command does not set that flag itself.
 SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/bench.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
-    'scripts/bench_onnx.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2']},
+    'scripts/bench_onnx.py': {'--reps': ['4'], '--img-size': ['64'], '--batch-size': ['2'], '--models': ['resnet50']},
     'scripts/bench_convert.py': {'--reps': ['1'], '--batches': ['1', '1'], '--batch-size': ['2', '8']},
     'scripts/bench_gpu.py': {'--quick': [], '--models': ['resnet18'], '--steps': ['train']},
     'scripts/measure_conversion.py': {'--batch-size': ['8']},

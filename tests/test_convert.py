@@ -119,7 +119,7 @@ def test_token_and_norm_act_families_convert_with_calibration(name, data):
     stem patches are too small for a linear refit to stand in for BatchNorm (README), so only the fits are checked.
     A norm-act slot's producer is fitted to the norm's output before the activation, which the slot applies."""
     (x, _), (xt, yt) = data
-    model = _train(name, data, steps=100)
+    model = _train(name, data, steps=60 if name == 'tinynet_e' else 100)  # tinynet_e's steps cost the most
     original = _top1(model, xt, yt)
     assert original > 0.3, 'the briefly trained model should have learned something (chance: 0.1)'
     calibrated, report = convert_model(model, calibration=[x[i:i + 64] for i in range(0, 256, 64)],
@@ -195,8 +195,8 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
 
     from timm_affinediv.convert.distill import measure_agreement
     calib = [x[i:i + 64] for i in range(0, 512, 64)]
-    heldout = [x[1024:1280], x[1280:1536]]
-    distill_data = TensorDataset(x[1536:2048])                               # 512 images, 8 batches of 64
+    heldout = [x[1024:1152], x[1152:1280]]
+    distill_data = TensorDataset(x[1536:1792])                               # 256 images, 4 batches of 64
     before = copy.deepcopy(model.state_dict())
     fitted, fit_report = convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data,
                                        options=ConvertOptions(distill=DistillOptions(threshold=0)))
@@ -204,23 +204,23 @@ def _check_distillation(model: nn.Module, x: torch.Tensor) -> None:
     with torch.no_grad():
         targets = [model.eval()(b) for b in heldout]
     eager_fit = measure_agreement(fitted, heldout, targets)
-    assert fit_report.heldout_images == 512 and fit_report.agreement_fitted == fit_report.agreement
+    assert fit_report.heldout_images == 256 and fit_report.agreement_fitted == fit_report.agreement
     assert fit_report.agreement.top1 == eager_fit.top1 and fit_report.agreement.kl == pytest.approx(eager_fit.kl)
     options = ConvertOptions(distill=DistillOptions(epochs=3, threshold=1, patience=None, lr=3e-4))
     (converted, report), (again, _) = [
         convert_model(model, calibration=calib, heldout=heldout, distill_data=distill_data, options=options)
         for _ in range(2)]
     d = report.distillation
-    assert d is not None and (d.images, d.epochs, d.steps, len(d.passes)) == (512, 3, 24, 3), d
+    assert d is not None and (d.images, d.epochs, d.steps, len(d.passes)) == (256, 3, 12, 3), d
     assert not d.stopped_early and d.kept_epoch == min(range(1, 4), key=lambda e: d.passes[e - 1].kl)
     eager = measure_agreement(converted, heldout, targets)
     assert report.agreement.top1 == eager.top1 and report.agreement.kl == pytest.approx(eager.kl, rel=1e-4)
     assert report.agreement == d.passes[d.kept_epoch - 1]
     assert report.agreement_fitted.kl == pytest.approx(eager_fit.kl, rel=1e-4)
     assert report.agreement.kl < 0.8 * report.agreement_fitted.kl, (report.agreement, report.agreement_fitted)
-    assert ("the 512 held-out images (neither fitted nor distilled on)" in report.describe()
+    assert ("the 256 held-out images (neither fitted nor distilled on)" in report.describe()
             and 'under 100%, so the whole model was distilled' in report.describe()
-            and 'over 512 images a pass, 3 passes (24 Adam steps)' in report.describe())
+            and 'over 256 images a pass, 3 passes (12 Adam steps)' in report.describe())
     assert f'pass {d.kept_epoch} kept: agreement {100 * report.agreement.top1:.1f}%' in report.describe()
     assert 'pass 3 ' in report.format_table()
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in converted.state_dict().items())

@@ -5,14 +5,14 @@ Flags, and the defaults of timm's recipe flags, follow timm's train.py. One proc
     timm-affinediv finetune --model resnet18 --num-classes 10 --epochs 5 --output runs/r18
 Fine-tune a converted model with distillation from the original:
     timm-affinediv finetune --model resnet18 --norm-layer patchnorm --initial-checkpoint converted/ \\
-        --teacher resnet18 --teacher-checkpoint original/ --distill-weight 0.5 --output runs/r18-pn
+        --teacher resnet18 --teacher-checkpoint original/ --distill-weight 0.5 --epochs 3 --output runs/r18-pn
 Several processes (DistributedDataParallel; gloo on CPU, nccl on CUDA):
     torchrun --nproc_per_node=2 -m timm_affinediv finetune --model resnet18 --num-classes 10 --epochs 5 \\
         --output runs/ddp
 A timm recipe (the args.yaml train.py writes; flags given override it), with RandAugment, mixup and cutmix:
     timm-affinediv finetune --config args.yaml --model resnet18 --norm-layer patchnorm --output runs/recipe
     timm-affinediv finetune --model resnet18 --num-classes 10 --aa rand-m9-mstd0.5 --mixup 0.2 --cutmix 1.0 \\
-        --reprob 0.25 --opt lamb --lr-base 5e-3 --output runs/r18-recipe
+        --reprob 0.25 --opt lamb --lr-base 5e-3 --epochs 5 --output runs/r18-recipe
 Resume (same result as an uninterrupted run, bit for bit): the same command with --resume
     timm-affinediv finetune --model resnet18 --num-classes 10 --epochs 5 --output runs/r18 --resume runs/r18
 A streamed dataset (wds/, hfids/, tfds/) resumes at the last epoch boundary: the epoch a stop interrupted
