@@ -1,6 +1,7 @@
 """Top-1 on the Fashion-MNIST test set of a trained model, converted to PatchNorm without calibration and with
-8/32/128 (or the given counts of) calibration batches of 64 training images, the time each conversion takes and
-its ratio to one forward pass of the original over the same calibration images.
+8/32/128 (or the given counts of) calibration batches of 64 training images by the fit alone, the time each
+conversion takes and its ratio to one forward pass of the original over the same calibration images. The
+distillation the default conversion adds is off (scripts/measure_family_conversion.py measures the default path).
 
     python scripts/measure_conversion.py local-dir:runs/demo/baseline
     python scripts/measure_conversion.py local-dir:runs/demo/baseline 0 32
@@ -14,7 +15,7 @@ import torch
 import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import model_name, non_negative_int, positive_int, run_main
 from timm_affinediv.commands import command_parser
-from timm_affinediv.convert import convert_model
+from timm_affinediv.convert import ConvertOptions, DistillOptions, convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.model_io import load_trained_model
 from timm_affinediv.train import evaluate
@@ -42,7 +43,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     model(x)
                 forward = time.perf_counter() - start
         start = time.perf_counter()
-        converted, _ = convert_model(model, calibration=calib)
+        converted, _ = convert_model(model, calibration=calib, options=ConvertOptions(distill=DistillOptions(epochs=0)))
         seconds = time.perf_counter() - start
         rows.append((f'converted, {nb} calibration batches' if nb else 'converted, analytic map only',
                      evaluate(converted, val)['top1'], seconds, forward))
