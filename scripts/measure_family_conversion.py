@@ -37,6 +37,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from paper.models import FAMILIES
 from safetensors.torch import save_file
 from timm.utils import ParseKwargs
 
@@ -46,22 +47,6 @@ from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
 from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
-
-#: One model per README family, narrow where timm's smallest is too large to train in minutes on a 2-core CPU at
-#: 32x32; ResNet-50 at full width.
-FAMILIES: Dict[str, Dict[str, Any]] = {
-    'resnet18': dict(channels=(16, 32, 64, 128), stem_width=16),
-    'resnet50': dict(),
-    'convnext_atto': dict(dims=(16, 32, 64, 128)),
-    'vit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
-    'deit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
-    'eva02_tiny_patch14_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
-    'swin_tiny_patch4_window7_224': dict(img_size=32, window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4)),
-    'tinynet_e': dict(),
-    'regnetx_002': dict(),
-    'mobilenetv3_small_050': dict(),
-    'densenet121': dict(growth_rate=12, block_config=(2, 2, 2, 2)),
-}
 
 
 @dataclass

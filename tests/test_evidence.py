@@ -22,6 +22,7 @@ from paper import (  # noqa: E402
     CONV_MODELS,
     MLP_VARIANTS,
     QUICK,
+    RECIPES,
     Config,
     Splits,
     mlp_model,
@@ -31,6 +32,7 @@ from paper import (  # noqa: E402
     t_quantile,
     train_run,
 )
+from paper.analysis import difference_interval  # noqa: E402
 
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -206,6 +208,13 @@ def test_slope_interval_is_a_t_interval_over_seeds():
         slope_interval([1.0])
 
 
+def test_difference_interval_is_welchs():
+    diff, half = difference_interval([1.0, 2.0, 3.0], [0.0, 0.0, 3.0])
+    # variances 1/3 and 3/3 of the means; Welch's degrees of freedom (4/3)^2 / ((1/9 + 1) / 2) = 3.2, rounded down
+    assert diff == pytest.approx(1.0) and half == pytest.approx(3.182 * (4 / 3) ** 0.5, rel=1e-3)
+    assert difference_interval([2.0], [1.0, 1.5]) == (pytest.approx(0.75), 0.0)
+
+
 def test_t_quantile_matches_the_printed_table():
     """The closed-form Student t against a printed table (3 decimals), and near the normal limit."""
     table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -241,7 +250,7 @@ def test_worker_processes_give_the_runs_of_one_process_and_a_rerun_resumes(tmp_p
 def test_quick_experiments_write_tables_plots_and_records(tmp_path, run_script):
     proc = run_script('experiments', '--quick', '--seed', '1', '--output', str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    for experiment in ('mlp', 'batch', 'conv'):
+    for experiment in ('mlp', 'batch', 'conv'):  # one rate grid for every setting; families: below
         config = QUICK[experiment]
         record = json.loads((tmp_path / f'{experiment}.json').read_text())
         rows = record['rows']
@@ -270,3 +279,34 @@ def test_quick_experiments_write_tables_plots_and_records(tmp_path, run_script):
         assert len(schedule['affinediv']['per_seed']) == QUICK['batch'].seeds and schedule['affinediv']['ci95'] >= 0
     conv = json.loads((tmp_path / 'conv.json').read_text())['rows']
     assert [(r['model'], r['variant']) for r in conv] == [(m, v) for m, vs in CONV_MODELS.items() for v in vs]
+    _check_quick_families(tmp_path)
+
+
+def _check_quick_families(out: Path) -> None:
+    """The families protocol's steps: every norm of every family swept on its optimiser's rates, the grid grown past
+    the edge its best rate was at, the seeds at the chosen rate, and the longer budget at that rate."""
+    config = QUICK['families']
+    record = json.loads((out / 'families.json').read_text())
+    short = [r for r in record['rows'] if r['epochs'] == config.epochs]
+    longer = [r for r in record['rows'] if r['epochs'] == config.epochs * config.long_factor]
+    assert [(r['model'], r['variant']) for r in short] == [(s.model, s.variant) for s in settings('families', config)]
+    assert [(r['model'], r['variant'], r['lr']) for r in longer] == [(r['model'], r['variant'], r['lr']) for r in short]
+    for r in short:
+        rates = [RECIPES[r['recipe']].lr * m for m in config.lrs]
+        swept = sorted(float(lr) for lr in r['sweep_val'])
+        assert len(swept) == len(rates) + config.edge_steps and r['lr'] in swept
+        grown = [lr for lr in swept if not any(lr == pytest.approx(x) for x in rates)]
+        assert grown == [pytest.approx(2 * max(rates))] or grown == [pytest.approx(min(rates) / 2)], swept
+    for r in longer:
+        assert r['sweep_val'] == {} and r['seeds'] == config.seeds and not r['lr_at_grid_edge']
+    runs = len(short) * (len(config.lrs) + config.edge_steps + config.seeds - 1) + len(longer) * config.seeds
+    assert len(record['runs']) == runs == len(list((out / 'runs' / 'families').glob('*.json')))
+    cells = record['analysis']['cells']
+    assert len(cells) == len(record['rows']) // 2 and sum(record['analysis']['counts'].values()) == len(cells)
+    means = {(r['model'], r['epochs'], r['variant']): r['test_mean'] for r in record['rows']}
+    for c in cells:
+        assert c['diff'] == pytest.approx(means[c['model'], c['epochs'], 'patchnorm']
+                                          - means[c['model'], c['epochs'], 'native'])
+        assert c['verdict'] in ('held', 'not held', 'within noise') and c['ci95'] >= 0
+    table = (out / 'families.md').read_text()
+    assert sum(line.startswith('| ') for line in table.splitlines()) == len(cells) + 1 and _is_png(out / 'families.png')

@@ -14,9 +14,15 @@
    with a 95% t-interval over seeds.
 3. `conv`: a narrow timm `resnet10t` with BatchNorm, GroupNorm, LayerNorm2d, no norm and `patchnorm`,
    and a narrow timm `convnext_atto` with its native LayerNorm, RMSNorm and `patchnorm`.
+4. `families`: one model of every README family (`models.FAMILIES`, narrow where timm's smallest is large) from
+   scratch with its own norm and with `patchnorm` (and GroupNorm for ResNet-18), each trained by the optimiser a
+   timm user would pick for it (`runs.RECIPES`: SGD with Nesterov momentum, or AdamW; warm-up, then a cosine),
+   its rate swept as multiples of the optimiser's and the grid grown past an edge holding the best; the families
+   whose norms differ by more than 2 points are trained 4 times as long at the chosen rates.
 
 Protocol, the same for every variant: SGD with momentum 0.9, cosine learning-rate decay per step,
-no weight decay or augmentation. For every setting (cell, variant, batch size) the learning rate is
+no weight decay or augmentation (`families`: its optimisers, as above; no augmentation). For every
+setting (cell, variant, batch size) the learning rate is
 tuned on a validation split held out from Fashion-MNIST's training set, with the first seed; the
 best one is then run with every seed and reported as test accuracy. Every run is determined by its
 seed and writes its own JSON record, so an interrupted grid resumes where it stopped; runs go to a
@@ -30,9 +36,9 @@ from .analysis import slope_interval, t_quantile
 from .data import Splits, load_fashion_mnist
 from .experiments import run_experiment
 from .models import CONV_MODELS, MLP_VARIANTS, conv_model, mlp_model
-from .runs import EXPERIMENTS, FULL, QUICK, Config, RunResult, Setting, settings, train_run
+from .runs import EXPERIMENTS, FULL, QUICK, RECIPES, Config, RunResult, Setting, settings, train_run
 
 __all__ = [
-    'EXPERIMENTS', 'FULL', 'QUICK', 'Config', 'RunResult', 'Setting', 'Splits', 'CONV_MODELS', 'MLP_VARIANTS',
-    'conv_model', 'load_fashion_mnist', 'mlp_model', 'run_experiment', 'settings', 'slope_interval', 't_quantile',
-    'train_run']
+    'EXPERIMENTS', 'FULL', 'QUICK', 'RECIPES', 'Config', 'RunResult', 'Setting', 'Splits', 'CONV_MODELS',
+    'MLP_VARIANTS', 'conv_model', 'load_fashion_mnist', 'mlp_model', 'run_experiment', 'settings', 'slope_interval',
+    't_quantile', 'train_run']

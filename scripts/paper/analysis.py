@@ -6,10 +6,10 @@ from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
-from .models import CONV_MODELS, LABELS, MLP_VARIANTS
+from .models import CONV_MODELS, LABELS, MLP_VARIANTS, native_norm
 from .runs import RunResult, Setting
 
-__all__ = ['t_quantile', 'slope_interval', 'summary_row', 'ANALYSES', 'plot']
+__all__ = ['t_quantile', 'slope_interval', 'difference_interval', 'summary_row', 'ANALYSES', 'plot']
 
 
 
@@ -64,7 +64,8 @@ def summary_row(setting: Setting, sweep: Sequence[RunResult], final: Sequence[Ru
         test_by_seed=[r.test_acc for r in final], val_mean=float(np.mean([r.val_acc for r in final])),
         cpu_s_per_run=float(np.mean([r.cpu_s for r in final])),
         sweep_val={f'{r.lr:g}': r.val_acc for r in sweep}, diverged_lrs=[r.lr for r in sweep if r.diverged],
-        lr_at_grid_edge=final[0].lr in (min(r.lr for r in sweep), max(r.lr for r in sweep)))
+        lr_at_grid_edge=bool(sweep) and final[0].lr in (min(r.lr for r in sweep), max(r.lr for r in sweep)),
+        cpu_s=float(sum(r.cpu_s for r in {(r.lr, r.seed): r for r in list(sweep) + list(final)}.values())))
 
 
 def _acc(r: Dict[str, object]) -> str:
@@ -175,6 +176,64 @@ def _conv_table(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, object], s
     return {}, '\n'.join(lines) + '\n'
 
 
+def difference_interval(a: Sequence[float], b: Sequence[float]) -> Tuple[float, float]:
+    """ `mean(a) - mean(b)` and the half-width of its 95% Welch t-interval (degrees of freedom rounded down; 0 with
+    fewer than 2 values on a side). """
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return diff, 0.0
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    if va + vb == 0:
+        return diff, 0.0
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return diff, float(t_quantile(0.975, max(1, int(df))) * math.sqrt(va + vb))
+
+
+def _verdict(diff: float, half: float) -> str:
+    if diff - half > 0:
+        return 'held'
+    if diff + half < 0:
+        return 'not held'
+    return 'within noise'
+
+
+def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, object], str]:
+    """ Per family and budget: each norm's tuned rate and test accuracy, `patchnorm` minus the native norm with its
+    95% interval, and the verdict on "PatchNorm trains this family better from scratch": held (the interval above
+    0), not held (below) or within noise. """
+    cells: Dict[Tuple[str, int], Dict[str, Dict[str, object]]] = {}
+    for r in rows:
+        cells.setdefault((r['model'], r['epochs']), {})[r['variant']] = r
+    lines = ['| family | native norm | optimiser | epochs | native: lr, top-1 | patchnorm: lr, top-1 | '
+             'GroupNorm: lr, top-1 | patchnorm - native [95% CI] | verdict | CPU-min |',
+             '|---|---|---|---:|---:|---:|---:|---:|---|---:|']
+
+    def cell(r):
+        if r is None:
+            return ''
+        edge = ' (grid edge)' if r['lr_at_grid_edge'] else ''
+        return f"{r['lr']:.3g}{edge}, {_acc(r)}"
+
+    verdicts = []
+    for (model, epochs), by in cells.items():
+        native, patch = by['native'], by['patchnorm']
+        diff, half = difference_interval(patch['test_by_seed'], native['test_by_seed'])
+        verdict = _verdict(diff, half)
+        verdicts.append(dict(model=model, epochs=epochs, native_norm=native_norm(model), diff=diff, ci95=half,
+                             verdict=verdict, native=native['test_mean'], patchnorm=patch['test_mean'],
+                             lrs={v: r['lr'] for v, r in by.items()}))
+        minutes = sum(r['cpu_s'] for r in by.values()) / 60
+        lines.append(f"| {model} | {native_norm(model)} | {native['recipe']} | {epochs} | {cell(native)} | "
+                     f"{cell(patch)} | {cell(by.get('groupnorm'))} | **{diff:+.2f}** [{diff - half:+.2f}, "
+                     f"{diff + half:+.2f}] | {verdict} | {minutes:.1f} |")
+    counts = {v: sum(c['verdict'] == v for c in verdicts) for v in ('held', 'not held', 'within noise')}
+    lines += ['', 'verdict: PatchNorm above its native norm (held), below (not held) or neither (within noise), by '
+              'the 95% Welch interval of the difference of the seeds\' means; '
+              + ', '.join(f'{k} {n}' for k, n in counts.items()) + ' (rows)']
+    return dict(cells=verdicts, counts=counts), '\n'.join(lines) + '\n'
+
+
 def plot(experiment: str, rows: Sequence[Dict[str, object]], path: Path) -> None:
     import matplotlib
     matplotlib.use('Agg')
@@ -202,6 +261,9 @@ def plot(experiment: str, rows: Sequence[Dict[str, object]], path: Path) -> None
             lines(ax, [r for r in rows if (r['epochs'] == 0) == (fixed == 'updates')], 'batch_size',
                   f'fixed {fixed}, tuned lr')
             ax.set_xlabel('batch size', fontsize=7)
+    elif experiment == 'families':
+        _plot_families(plt, rows, path)
+        return
     else:
         fig, axes = plt.subplots(1, len(CONV_MODELS), figsize=(8, 3.2), dpi=80, squeeze=False)
         for ax, model in zip(axes[0], CONV_MODELS):
@@ -221,4 +283,45 @@ def plot(experiment: str, rows: Sequence[Dict[str, object]], path: Path) -> None
     plt.close(fig)
 
 
-ANALYSES = dict(mlp=_mlp_analysis, batch=_batch_analysis, conv=_conv_table)
+def _plot_families(plt, rows: Sequence[Dict[str, object]], path: Path) -> None:
+    """ Left: `patchnorm` minus the native norm per family with its 95% interval, at each budget. Right: top-1
+    against the budget for the families trained longer. """
+    analysis, _ = _families_analysis(rows)
+    cells = analysis['cells']
+    short = min(c['epochs'] for c in cells)
+    models = list(dict.fromkeys(c['model'] for c in cells))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
+    for offset, epochs in enumerate(sorted({c['epochs'] for c in cells})):
+        own = {c['model']: c for c in cells if c['epochs'] == epochs}
+        ys = [i + 0.2 * offset for i, m in enumerate(models) if m in own]
+        left.errorbar([own[m]['diff'] for m in models if m in own], ys,
+                      xerr=[own[m]['ci95'] for m in models if m in own], fmt='o', ms=3, capsize=2,
+                      label=f'{epochs} epochs')
+    left.axvline(0, color='grey', lw=0.8)
+    left.set_yticks(range(len(models)))
+    left.set_yticklabels(models, fontsize=7)
+    left.invert_yaxis()
+    left.set_xlabel('patchnorm - native norm, test top-1 points (95% CI)', fontsize=7)
+    left.legend(fontsize=6)
+    longer = [m for m in models if any(c['model'] == m and c['epochs'] > short for c in cells)]
+    for i, model in enumerate(longer):
+        for variant, style in (('native', '--'), ('patchnorm', '-')):
+            own = sorted((r for r in rows if r['model'] == model and r['variant'] == variant),
+                         key=lambda r: r['epochs'])
+            right.errorbar([r['epochs'] for r in own], [r['test_mean'] for r in own],
+                           yerr=[r['test_std'] for r in own], ls=style, marker='o', ms=3, capsize=2,
+                           color=f'C{i}', label=f'{model} {variant}')
+    right.set_xlabel('epochs (budget)', fontsize=7)
+    right.set_ylabel('test top-1 %', fontsize=7)
+    right.set_title('trained longer where the norms differed by more than the gap', fontsize=8)
+    if longer:
+        right.legend(fontsize=5)
+    for ax in (left, right):
+        ax.tick_params(labelsize=7)
+    fig.suptitle('Fashion-MNIST 32x32, from scratch: patchnorm against each family\'s own norm', fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+ANALYSES = dict(mlp=_mlp_analysis, batch=_batch_analysis, conv=_conv_table, families=_families_analysis)

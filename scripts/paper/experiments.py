@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional
 from timm_affinediv._io import atomic_write
 
 from .analysis import ANALYSES, plot, summary_row
-from .runs import EXPERIMENTS, FULL, QUICK, Config, settings, tune_and_repeat
+from .runs import EXPERIMENTS, FULL, QUICK, RECIPES, Config, longer_budget, settings, tune_and_repeat
 
 __all__ = ['run_experiment']
 
@@ -21,7 +21,7 @@ def run_experiment(
 
     `config` overrides the full (or `quick`) budget. Seeds are `seed, seed + 1, ...`; the learning
     rate is tuned with `seed`. Runs already recorded under `runs/` are read back, not rerun.
-    Returns one summary row per setting.
+    Returns one summary row per setting (and per longer budget, where the config asks for one).
     """
     if experiment not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {experiment!r}; choose from {EXPERIMENTS}")
@@ -31,11 +31,17 @@ def run_experiment(
     runs_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = tune_and_repeat(settings(experiment, config), config, seed, runs_dir, workers, data_root, log)
+    results += longer_budget(results, config, seed, runs_dir, workers, data_root, log)
     rows = [summary_row(*r) for r in results]
     analysis, table = ANALYSES[experiment](rows)
-    runs = [r for _, sweep, final in results for r in sweep + final[1:]]
+    # a tuned setting's first seed is its sweep's best run
+    runs = list({(r.setting, r.lr, r.seed): r for _, sweep, final in results for r in sweep + final}.values())
+    grid = f'lr grid {list(config.lrs)}'
+    if experiment == 'families':
+        grid += (" x each optimiser's rate (" + ', '.join(f'{k} {r.lr:g}' for k, r in RECIPES.items())
+                 + f'), grown past an edge at most {config.edge_steps} times')
     head = (f'**{experiment}**: {config.n_train} train / {config.n_val} val / {config.n_test} test images, '
-            f'lr grid {list(config.lrs)} (tuned per setting on val, seed {seed}), {config.seeds} seeds; '
+            f'{grid} (tuned per setting on val, seed {seed}), {config.seeds} seeds; '
             f'{len(runs)} runs, {sum(r.cpu_s for r in runs) / 60:.1f} CPU-minutes\n\n')
     record = dict(experiment=experiment, seed=seed, quick=quick, config=asdict(config), workers=workers,
                   wall_s=time.perf_counter() - start, cpu_s=sum(r.cpu_s for r in runs), rows=rows,

@@ -1,6 +1,7 @@
-""" The models of the paper experiments: the ablation MLP and narrow timm ResNet/ConvNeXt, by norm variant """
+""" The models of the paper experiments: the ablation MLP, narrow timm ResNet/ConvNeXt, and one model of every
+README family, by norm variant """
 import functools
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import timm
 import torch.nn as nn
@@ -10,7 +11,8 @@ import timm_affinediv  # noqa: F401  (registers norm_layer='patchnorm')
 from timm_affinediv import AffineDivLinear, L2NormLinear
 
 __all__ = ['MLP_VARIANTS', 'BATCH_VARIANTS', 'RESNET_VARIANTS', 'CONVNEXT_VARIANTS', 'CONV_MODELS', 'ACTIVATIONS',
-           'LABELS', 'mlp_model', 'conv_model']
+           'LABELS', 'FAMILIES', 'FAMILY_RECIPES', 'family_variants', 'native_norm', 'mlp_model', 'conv_model',
+           'family_model']
 
 MLP_VARIANTS = ('linear', 'batchnorm', 'layernorm', 'rmsnorm', 'l2normlinear', 'affinediv')
 BATCH_VARIANTS = ('linear', 'batchnorm', 'l2normlinear', 'affinediv')
@@ -18,7 +20,40 @@ RESNET_VARIANTS = ('batchnorm', 'groupnorm', 'layernorm2d', 'identity', 'patchno
 CONVNEXT_VARIANTS = ('layernorm', 'rmsnorm', 'patchnorm')
 CONV_MODELS = dict(resnet10t=RESNET_VARIANTS, convnext_atto=CONVNEXT_VARIANTS)
 ACTIVATIONS: Dict[str, Callable[[], nn.Module]] = dict(tanh=nn.Tanh, leaky_relu=nn.LeakyReLU)
-LABELS = dict(linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
+#: One model per README family, narrow where timm's smallest is too large to train in minutes on a 2-core CPU at
+#: 32x32; ResNet-50 at full width. The conversion measurements (scripts/measure_family_conversion.py) use them too.
+FAMILIES: Dict[str, Dict[str, Any]] = {
+    'resnet18': dict(channels=(16, 32, 64, 128), stem_width=16),
+    'resnet50': dict(),
+    'convnext_atto': dict(dims=(16, 32, 64, 128)),
+    'vit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
+    'deit_tiny_patch16_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
+    'eva02_tiny_patch14_224': dict(img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2),
+    'swin_tiny_patch4_window7_224': dict(img_size=32, window_size=4, embed_dim=32, depths=(2, 2), num_heads=(2, 4)),
+    'tinynet_e': dict(),
+    'regnetx_002': dict(),
+    'mobilenetv3_small_050': dict(),
+    'densenet121': dict(growth_rate=12, block_config=(2, 2, 2, 2)),
+}
+#: The optimiser a timm user would pick for each family from scratch: SGD (Nesterov) for the ResNet-era CNNs,
+#: AdamW for ConvNeXt, the token models and the depthwise mobile networks (timm's recipes for them are AdamW/LAMB)
+FAMILY_RECIPES: Dict[str, str] = {
+    name: 'sgd' if name.startswith(('resnet', 'regnet', 'densenet')) else 'adamw' for name in FAMILIES}
+_LAYERNORM_FAMILIES = ('convnext', 'vit', 'deit', 'eva', 'swin')
+
+
+def native_norm(family: str) -> str:
+    """The norm a family is built with by default: 'LayerNorm' or 'BatchNorm'."""
+    return 'LayerNorm' if family.startswith(_LAYERNORM_FAMILIES) else 'BatchNorm'
+
+
+def family_variants(family: str) -> Tuple[str, ...]:
+    """The norms a family is trained with: its own, `patchnorm`, and GroupNorm (4 groups) where it replaces the
+    BatchNorm of a plain ResNet."""
+    return ('native', 'patchnorm', 'groupnorm') if family == 'resnet18' else ('native', 'patchnorm')
+
+
+LABELS = dict(native='native', linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
               l2normlinear='norm-like (L2NormLinear)', affinediv='affine-like (AffineDivLinear)',
               groupnorm='GroupNorm', layernorm2d='LayerNorm2d', identity='none', patchnorm='patchnorm')
 
@@ -74,3 +109,15 @@ def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) ->
     return timm.create_model(
         'resnet10t', in_chans=1, num_classes=num_classes, channels=(16, 32, 64, 128), stem_width=16,
         norm_layer=norms[variant], **extra)
+
+
+def family_model(variant: str, family: str, num_classes: int = 10) -> nn.Module:
+    """ The model of a README family (`FAMILIES`, 1 input channel) with its own norm (`native`), `patchnorm` or
+    `groupnorm` (4 groups, ResNet only). """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family model {family!r}; choose from {tuple(FAMILIES)}")
+    if variant not in family_variants(family):
+        raise ValueError(f"unknown {family} variant {variant!r}; choose from {family_variants(family)}")
+    norm = dict(native={}, patchnorm=dict(norm_layer='patchnorm'),
+                groupnorm=dict(norm_layer=functools.partial(GroupNorm, num_groups=4)))[variant]
+    return timm.create_model(family, in_chans=1, num_classes=num_classes, **FAMILIES[family], **norm)

@@ -5,7 +5,7 @@ import json
 import math
 import multiprocessing
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -13,14 +13,26 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.optim import create_optimizer_v2
+from timm.scheduler import CosineLRScheduler
 
 from timm_affinediv._io import atomic_write
 
 from .data import Splits, load_fashion_mnist
-from .models import BATCH_VARIANTS, CONV_MODELS, MLP_VARIANTS, conv_model, mlp_model
+from .models import (
+    BATCH_VARIANTS,
+    CONV_MODELS,
+    FAMILIES,
+    FAMILY_RECIPES,
+    MLP_VARIANTS,
+    conv_model,
+    family_model,
+    family_variants,
+    mlp_model,
+)
 
-__all__ = ['Config', 'FULL', 'QUICK', 'EXPERIMENTS', 'Setting', 'settings', 'RunResult', 'train_run', 'RunTask',
-           'tune_and_repeat']
+__all__ = ['Config', 'FULL', 'QUICK', 'EXPERIMENTS', 'Recipe', 'RECIPES', 'Setting', 'settings', 'RunResult',
+           'train_run', 'RunTask', 'tune_and_repeat', 'longer_budget']
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,11 @@ class Config:
 
     Data sizes, the learning-rate grid, seeds, batch sizes; `epochs` per run, or `steps` (updates)
     per run for the fixed-update sweep; the MLP grid (`widths` x `depths` x `activations`).
+
+    The `families` experiment: `lrs` are multiples of each family's recipe rate (`RECIPES`); where the best
+    rate is at the grid's edge the grid grows past it, a step at a time, at most `edge_steps` times; the families
+    (all of `FAMILIES` when `models` is empty) whose norms differ by more than `long_gap` points on the validation
+    split are trained again `long_factor` times as long at the rates chosen.
     """
     n_train: int
     n_val: int
@@ -41,6 +58,10 @@ class Config:
     widths: Tuple[int, ...] = (256,)
     depths: Tuple[int, ...] = (2,)
     activations: Tuple[str, ...] = ('leaky_relu',)
+    models: Tuple[str, ...] = ()
+    edge_steps: int = 0
+    long_factor: int = 0
+    long_gap: float = 2.0
 
 
 # the norm-like layer's update factor is 2 where a plain layer's is about its fan-in: it takes larger rates
@@ -50,21 +71,43 @@ FULL = dict(
     batch=Config(5000, 2000, 5000, epochs=5, lrs=(0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0), seeds=5,
                  batch_sizes=(16, 32, 64, 128, 256, 512), steps=300, widths=(128,)),
     conv=Config(4000, 1000, 5000, epochs=3, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
+    families=Config(5000, 1000, 10000, epochs=3, lrs=(0.25, 0.5, 1.0, 2.0), seeds=3, batch_sizes=(64,),
+                    edge_steps=2, long_factor=4, long_gap=2.0),
 )
 QUICK = dict(
     mlp=Config(512, 256, 256, epochs=1, lrs=(0.03, 0.3), seeds=2, widths=(16, 32), depths=(1, 2),
                activations=('tanh',)),
     batch=Config(512, 256, 256, epochs=1, lrs=(0.1,), seeds=2, batch_sizes=(32, 64, 128), steps=8),
     conv=Config(256, 128, 128, epochs=1, lrs=(0.1,), seeds=2),
+    # a two-rate grid always has its best at an edge, and a negative gap sends every family to the longer budget:
+    # each step of the protocol runs
+    families=Config(256, 128, 128, epochs=1, lrs=(0.5, 1.0), seeds=2, batch_sizes=(32,),
+                    models=('densenet121', 'swin_tiny_patch4_window7_224'), edge_steps=1, long_factor=2,
+                    long_gap=-1.0),
 )
 EXPERIMENTS = tuple(FULL)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """ A `families` training recipe: timm's optimiser `opt` (`timm.optim.create_optimizer_v2`, no weight decay
+    on biases and norms), its base rate and weight decay, a linear warm-up over `warmup` of the steps, then a
+    cosine to 0 (`timm.scheduler.CosineLRScheduler`, stepped every update). """
+    opt: str
+    lr: float
+    weight_decay: float
+    warmup: float = 0.05
+
+
+RECIPES = dict(sgd=Recipe('sgd', 0.1, 5e-4), adamw=Recipe('adamw', 4e-3, 0.05))
 
 
 @dataclass(frozen=True)
 class Setting:
     """ One cell of an experiment's grid: the model, its variant and the training schedule.
 
-    `steps > 0` fixes the number of updates, else `epochs` fixes the passes over the data.
+    `steps > 0` fixes the number of updates, else `epochs` fixes the passes over the data. `recipe` names the
+    optimiser of `RECIPES`; empty, the paper protocol's SGD.
     """
     experiment: str
     model: str
@@ -75,6 +118,7 @@ class Setting:
     width: int = 0
     depth: int = 0
     act: str = ''
+    recipe: str = ''
 
     @property
     def name(self) -> str:
@@ -88,7 +132,15 @@ class Setting:
     def build(self) -> nn.Module:
         if self.model == 'mlp':
             return mlp_model(self.variant, self.width, self.depth, self.act)
+        if self.experiment == 'families':
+            return family_model(self.variant, self.model)
         return conv_model(self.variant, self.model)
+
+    def lr_grid(self, config: Config) -> Tuple[float, ...]:
+        """The learning rates swept: the config's, or its multiples of the recipe's rate."""
+        if not self.recipe:
+            return config.lrs
+        return tuple(RECIPES[self.recipe].lr * m for m in config.lrs)
 
 
 def settings(experiment: str, config: Config) -> List[Setting]:
@@ -104,6 +156,9 @@ def settings(experiment: str, config: Config) -> List[Setting]:
     if experiment == 'conv':
         return [Setting('conv', m, v, config.batch_sizes[0], config.epochs)
                 for m, variants in CONV_MODELS.items() for v in variants]
+    if experiment == 'families':
+        return [Setting('families', m, v, config.batch_sizes[0], config.epochs, recipe=FAMILY_RECIPES[m])
+                for m in config.models or FAMILIES for v in family_variants(m)]
     raise ValueError(f"unknown experiment {experiment!r}; choose from {EXPERIMENTS}")
 
 
@@ -131,16 +186,30 @@ def _accuracy(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, bat
     return 100.0 * correct / len(targets)
 
 
+def _optimizer(model: nn.Module, recipe: str, lr: float, total_steps: int):
+    """The optimiser and the per-step schedule call of a run (the paper protocol's without `recipe`)."""
+    if not recipe:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+        return optimizer, lambda step: scheduler.step()
+    r = RECIPES[recipe]
+    optimizer = create_optimizer_v2(model, opt=r.opt, lr=lr, weight_decay=r.weight_decay, momentum=0.9)
+    warmup = max(1, round(r.warmup * total_steps))
+    scheduler = CosineLRScheduler(optimizer, t_initial=total_steps, warmup_t=warmup, warmup_lr_init=lr / warmup,
+                                  warmup_prefix=True, t_in_epochs=False)
+    return optimizer, lambda step: scheduler.step_update(step + 1)
+
+
 def train_run(
         build: Callable[[], nn.Module], data: Splits, lr: float, batch_size: int, seed: int,
-        epochs: int = 0, steps: int = 0, name: str = '',
+        epochs: int = 0, steps: int = 0, name: str = '', recipe: str = '',
 ) -> RunResult:
     """ Train `build()` from seed `seed` for `steps` updates (or `epochs` passes) and evaluate it.
 
-    SGD (momentum 0.9), learning rate `lr` decayed by a cosine over all steps, cross-entropy,
-    batches drawn from a fresh seeded permutation each pass (its last partial batch dropped). A
-    non-finite loss stops the run, which is marked `diverged`. `train_loss` is the mean loss over
-    the last `steps_per_epoch` updates.
+    SGD (momentum 0.9), learning rate `lr` decayed by a cosine over all steps, or the optimiser and
+    schedule of `RECIPES[recipe]`; cross-entropy, batches drawn from a fresh seeded permutation each
+    pass (its last partial batch dropped). A non-finite loss stops the run, which is marked
+    `diverged`. `train_loss` is the mean loss over the last `steps_per_epoch` updates.
     """
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
@@ -152,8 +221,7 @@ def train_run(
     total_steps = steps or epochs * per_pass
     if total_steps <= 0:
         raise ValueError(f"give a positive number of epochs or steps, got epochs={epochs}, steps={steps}")
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    optimizer, schedule = _optimizer(model, recipe, lr, total_steps)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     losses: List[float] = []
@@ -169,7 +237,7 @@ def train_run(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        scheduler.step()
+        schedule(step)
         losses.append(loss.item())
     return RunResult(
         name, lr, seed, total_steps,
@@ -235,7 +303,7 @@ def _train_and_record(task: RunTask) -> RunResult:
     setting = task.setting
     data = _data(task.config, 28 if setting.model == 'mlp' else 32, task.data_root)
     result = train_run(setting.build, data, task.lr, setting.batch_size, task.seed, setting.epochs, setting.steps,
-                       name=setting.name)
+                       name=setting.name, recipe=setting.recipe)
     record = dict(config=asdict(task.config), setting=asdict(setting), run=asdict(result))
     atomic_write(task.path, json.dumps(record, indent=1))
     return result
@@ -266,20 +334,69 @@ def _run_all(tasks: List[RunTask], config: Config, workers: int, log: Callable[[
             report(result)
 
 
+def _best(sweep: Sequence[RunResult]) -> RunResult:
+    return max(sweep, key=lambda r: (not r.diverged, r.val_acc))
+
+
+def _grown(grid: List[float], best: float) -> Optional[float]:
+    """The rate one step past the grid's edge where `best` is, or None where it is inside (or the grid one rate
+    wide but for its first growth, which goes up)."""
+    ratio = grid[1] / grid[0] if len(grid) > 1 else 2.0
+    if best == grid[-1]:
+        return grid[-1] * ratio
+    if best == grid[0]:
+        return grid[0] / ratio
+    return None
+
+
 def tune_and_repeat(
         settings_: Sequence[Setting], config: Config, seed: int, runs_dir: Path, workers: int,
         data_root: Optional[str], log: Callable[[str], None],
 ) -> List[Tuple[Setting, List[RunResult], List[RunResult]]]:
-    """Per setting: the learning-rate sweep (first seed) and the runs of every seed at the best rate."""
+    """ Per setting: the learning-rate sweep (first seed) and the runs of every seed at the best rate. The sweep
+    grows past an edge holding the best rate up to `config.edge_steps` times (the rates a setting adds are run
+    before any setting's next growth, so the workers stay busy). """
     def task(s, lr, sd):
         return RunTask(s, lr, sd, config, str(runs_dir), data_root)
 
     def load(s, lr, sd):
         return _load_run(_run_path(runs_dir, s, lr, sd), config)
 
-    _run_all([task(s, lr, seed) for s in settings_ for lr in config.lrs], config, workers, log)
-    sweeps = {s: [load(s, lr, seed) for lr in config.lrs] for s in settings_}
-    best = {s: max(sweep, key=lambda r: (not r.diverged, r.val_acc)).lr for s, sweep in sweeps.items()}
+    grids = {s: sorted(s.lr_grid(config)) for s in settings_}
+    _run_all([task(s, lr, seed) for s in settings_ for lr in grids[s]], config, workers, log)
+    for _ in range(config.edge_steps):
+        grown = {s: _grown(grids[s], _best([load(s, lr, seed) for lr in grids[s]]).lr) for s in settings_}
+        grown = {s: lr for s, lr in grown.items() if lr is not None}
+        if not grown:
+            break
+        for s, lr in grown.items():
+            grids[s] = sorted(grids[s] + [lr])
+        _run_all([task(s, lr, seed) for s, lr in grown.items()], config, workers, log)
+    sweeps = {s: [load(s, lr, seed) for lr in grids[s]] for s in settings_}
+    best = {s: _best(sweep).lr for s, sweep in sweeps.items()}
     seeds = range(seed, seed + config.seeds)
     _run_all([task(s, best[s], sd) for s in settings_ for sd in seeds[1:]], config, workers, log)
     return [(s, sweeps[s], [load(s, best[s], sd) for sd in seeds]) for s in settings_]
+
+
+def longer_budget(
+        results: Sequence[Tuple[Setting, List[RunResult], List[RunResult]]], config: Config, seed: int,
+        runs_dir: Path, workers: int, data_root: Optional[str], log: Callable[[str], None],
+) -> List[Tuple[Setting, List[RunResult], List[RunResult]]]:
+    """ The models whose variants' mean validation accuracy spans more than `config.long_gap` points, trained
+    `config.long_factor` times as long, every seed at the rate each variant chose at the short budget (no sweep:
+    it would cost the factor again per rate). """
+    if not config.long_factor:
+        return []
+    by_model: Dict[str, List[Tuple[Setting, List[RunResult], List[RunResult]]]] = {}
+    for r in results:
+        by_model.setdefault(r[0].model, []).append(r)
+    chosen = []
+    for own in by_model.values():
+        val = [float(np.mean([run.val_acc for run in final])) for _, _, final in own]
+        if max(val) - min(val) > config.long_gap:
+            chosen += [(replace(s, epochs=s.epochs * config.long_factor), final[0].lr) for s, _, final in own]
+    seeds = range(seed, seed + config.seeds)
+    _run_all([RunTask(s, lr, sd, config, str(runs_dir), data_root) for s, lr in chosen for sd in seeds],
+             config, workers, log)
+    return [(s, [], [_load_run(_run_path(runs_dir, s, lr, sd), config) for sd in seeds]) for s, lr in chosen]
