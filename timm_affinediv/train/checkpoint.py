@@ -11,12 +11,10 @@ import shutil
 from typing import Any, Dict
 
 import numpy as np
-import timm
 import torch
 import torch.nn as nn
 
-from .._state_dict import describe_mismatch
-from ..errors import NormMismatchError
+from .._state_dict import WeightsFile
 from .config import CheckpointError, ConfigError
 
 __all__ = ['resolve_checkpoint', 'prune_checkpoints']
@@ -27,33 +25,28 @@ _MODEL_FILE = 'model.safetensors'
 _EMA_FILE = 'ema.safetensors'
 
 
-def _weights_file(path: str) -> str:
-    """A weights file, or the `model.safetensors` of a (Hub-format) folder."""
+def _weights_file(path: str, what: str) -> str:
+    """A weights file, or the `model.safetensors` of a (Hub-format) folder: a folder's other files (a pickled
+    `pytorch_model.bin`) are never read."""
     if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, _MODEL_FILE)):
+            raise ConfigError(f'{what} {path} is a folder without {_MODEL_FILE}; give a folder holding it (a Hub '
+                              'folder, downloaded in full) or a .safetensors / .pth file.')
         path = os.path.join(path, _MODEL_FILE)
     if not os.path.isfile(path):
-        raise ConfigError(f'checkpoint {path} not found; give a .safetensors / .pth file or a folder holding '
+        raise ConfigError(f'{what} {path} not found; give a .safetensors / .pth file or a folder holding '
                           f'{_MODEL_FILE}.')
     return path
 
 
 def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
-    """A state dict from a weights file or Hub-format folder (timm's `load_state_dict`: safetensors / .pth, EMA
-    weights preferred), with an error that says what is wrong."""
-    path = _weights_file(path)
-    try:
-        return timm.models.load_state_dict(path)
-    except Exception as e:  # truncated or not a checkpoint at all: many exception types
-        raise ConfigError(f'{what} {path} is unreadable ({type(e).__name__}: {e}).') from e
+    """A state dict from a weights file or Hub-format folder, refused in one line when unreadable or not finite
+    (`WeightsFile.read`)."""
+    return WeightsFile(what, _weights_file(path, what), ConfigError).read()
 
 
 def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
-    try:
-        model.load_state_dict(state_dict, strict=True)
-    except NormMismatchError as e:  # a BatchNorm checkpoint for patchnorm slots
-        raise ConfigError(f'{what} {path}: {e}') from e
-    except RuntimeError as e:  # missing / unexpected keys, shape mismatches
-        raise ConfigError(f'{what} {path} does not fit the model: {describe_mismatch(model, state_dict) or e}') from e
+    WeightsFile(what, path, ConfigError).load_into(model, state_dict)
 
 
 def resolve_checkpoint(path: str) -> str:
