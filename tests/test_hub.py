@@ -374,7 +374,7 @@ def _num_classes_in_model_args(folder: Path, tmp: Path) -> Path:
 
 @pytest.mark.parametrize('make_folder, repo_id, wrong, to_do', [
     (_without_weights, REPO_ID, 'missing model.safetensors', 'Write one with timm_affinediv.hub.save_hub_folder'),
-    (_corrupt_weights, REPO_ID, 'model.safetensors is not a readable safetensors file', 'save_hub_folder'),
+    (_corrupt_weights, REPO_ID, 'model.safetensors is not a complete safetensors file', 'save_hub_folder'),
     (_with_pickle, REPO_ID, 'pickle weight files (pytorch_model.bin)', 'Remove them'),
     (_num_classes_in_model_args, REPO_ID, 'config.json has num_classes in model_args', 'write the folder again'),
     (_run_folder, REPO_ID, 'is not a Hub model folder: missing config.json, README.md', 'Push its Hub folder'),

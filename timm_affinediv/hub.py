@@ -30,16 +30,19 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import httpx2
-import safetensors
+import safetensors.torch
 import timm
 import torch
 from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardData, constants, get_token
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError
-from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects, validate_repo_id
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, FORBIDDEN_FOLDERS, filter_repo_objects, validate_repo_id
 from timm.models import model_entrypoint, register_model
+from timm.models._hub import download_from_hf
 from torch import nn
 
+from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_file, read_config
 from ._io import atomic_dir, save_safetensors
+from ._state_dict import check_finite, describe_mismatch
 from ._timm_compat import get_model_input_config, save_config_for_hf
 from .errors import HubError
 from .labels import LABEL_KEYS, model_labels
@@ -50,8 +53,6 @@ __all__ = ['HubError', 'UploadPlan', 'save_hub_folder', 'render_model_card', 'pu
 #: timm registry name of the entrypoint that builds the architectures of Hub folders.
 HUB_ARCH = 'timm_affinediv'
 PLUGIN_HINT = 'pip install timm-affinediv, then import timm_affinediv before timm.create_model'
-WEIGHTS_NAME = 'model.safetensors'
-CONFIG_NAME = 'config.json'
 CARD_NAME = 'README.md'
 REQUIRED_FILES = (WEIGHTS_NAME, CONFIG_NAME, CARD_NAME)
 #: Weight formats that unpickle (and so can run code) when loaded: never published.
@@ -94,6 +95,8 @@ def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | str | None =
             return model
     elif pretrained_cfg:
         arch = pretrained_cfg.get('architecture')
+        if arch and pretrained and pretrained_cfg.get('source') in ('local-dir', 'hf-hub'):
+            return _load_folder(arch, pretrained_cfg, kwargs)
         if arch:
             return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
     raise ValueError(
@@ -101,6 +104,35 @@ def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | str | None =
         " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
         " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
     )
+
+
+def _load_folder(arch: str, pretrained_cfg: dict, kwargs: dict) -> nn.Module:
+    """``arch`` with the weights of the folder ``pretrained_cfg`` names, loaded by timm (which adapts a head or stem
+    resized by ``kwargs``) once the folder is known to be whole: its class names match its class count, its
+    ``model.safetensors`` (never a pickle beside it) is complete, fits ``arch`` and holds finite values only."""
+    if pretrained_cfg['source'] == 'local-dir':
+        source = str(pretrained_cfg['file'])
+        weights = Path(source) / WEIGHTS_NAME
+    else:
+        source = f"hf-hub:{pretrained_cfg['hf_hub_id']}"
+        try:  # in the cache, timm's own download of the weights reads this file
+            weights = Path(download_from_hf(pretrained_cfg['hf_hub_id'], WEIGHTS_NAME))
+        except RemoteEntryNotFoundError as e:
+            raise HubError(f'{source} has no {WEIGHTS_NAME}: a timm-affinediv Hub folder keeps its weights there, and '
+                           'pickled weights (pytorch_model.bin) are never loaded, since they can run code.') from e
+    check_labels(pretrained_cfg, source)
+    check_weights_file(weights)
+    build = model_entrypoint(arch)
+    try:
+        model = build(pretrained=True, pretrained_cfg=pretrained_cfg, **kwargs)
+    except RuntimeError as e:  # timm's strict load: missing or unexpected keys, other shapes
+        mismatch = describe_mismatch(build(pretrained=False, pretrained_cfg=pretrained_cfg, **kwargs),
+                                     safetensors.torch.load_file(weights))
+        raise HubError(f"{source}'s {WEIGHTS_NAME} does not fit {arch}: "
+                       f"{mismatch or ' '.join(str(e).split())}. Download the folder again, or write it again with "
+                       'timm_affinediv.hub.save_hub_folder.') from e
+    check_finite(model.state_dict(), f"{source}'s {WEIGHTS_NAME}", HubError)
+    return model
 
 
 def _hub_architecture(arch: str) -> str:
@@ -418,8 +450,9 @@ def _plan_upload(
     """Check a Hub folder and a repo id, and list what ``push_to_hub`` would upload where.
 
     Raises:
-        HubError: the folder is not a complete safetensors Hub folder, holds pickle weight
-            files, the repo id is invalid, or ``create_pr`` is combined with a ``revision``.
+        HubError: the folder is not a complete safetensors Hub folder that loads with timm, holds pickle weight
+            files or a symbolic link out of it, the repo id is invalid, or ``create_pr`` is combined with a
+            ``revision``.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -434,9 +467,14 @@ def _plan_upload(
             ' do not also give a revision (--revision).'
         )
 
+    _refuse_links_out(folder)
     # the files upload_folder takes: every file but those its default ignore patterns skip
     paths = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob('*')) if p.is_file()}
     names = list(filter_repo_objects(paths, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+    forbidden = [n for n in names if set(FORBIDDEN_FOLDERS) & set(n.split('/'))]
+    if forbidden:
+        raise HubError(f"{folder} holds {', '.join(forbidden)}, under a name the Hub takes no files in "
+                       f"({', '.join(sorted(FORBIDDEN_FOLDERS))}): remove or move them before pushing.")
     missing = [n for n in REQUIRED_FILES if n not in paths]
     if missing:
         # a training run's folder holds its Hub folder in model/ (finetune.py, pipeline.py)
@@ -451,14 +489,7 @@ def _plan_upload(
             f"{folder} holds pickle weight files ({', '.join(pickles)}), which can run code when loaded;"
             f' only safetensors are published. Remove them (the weights belong in {WEIGHTS_NAME}).'
         )
-    try:
-        with safetensors.safe_open(paths[WEIGHTS_NAME], framework='pt'):
-            pass
-    except (safetensors.SafetensorError, OSError) as e:
-        raise HubError(
-            f'{paths[WEIGHTS_NAME]} is not a readable safetensors file ({e});'
-            ' write the folder again with timm_affinediv.hub.save_hub_folder.'
-        ) from e
+    _check_loads(folder)
 
     if token is not None:
         token_source = 'given (hidden)'
@@ -478,19 +509,47 @@ def _plan_upload(
     )
 
 
+def _refuse_links_out(folder: Path) -> None:
+    """Refuse a symbolic link in ``folder`` to a file or folder outside it: ``upload_folder`` reads through links, so
+    it would publish the target (a token file, a home folder). Links inside the folder publish the folder's own
+    files; hard links are files of the folder."""
+    root = os.path.realpath(folder)
+    links = {p.relative_to(folder).as_posix(): p for p in folder.rglob('*') if p.is_symlink()}
+    for name in filter_repo_objects(sorted(links), ignore_patterns=DEFAULT_IGNORE_PATTERNS):
+        path, target = links[name], os.path.realpath(links[name])
+        if os.path.commonpath([root, target]) != root:
+            raise HubError(f'{path} is a symbolic link to {target}, outside {folder}, and push would upload what it '
+                           'points to: copy the file into the folder (cp -L) if it is meant to be published, or '
+                           'remove the link.')
+
+
 def _check_config(path: Path) -> None:
-    """Refuse a ``config.json`` that transformers cannot load: ``num_classes`` in ``model_args`` (a folder of an
-    earlier timm-affinediv), which transformers passes again beside them."""
-    try:
-        config = json.loads(path.read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e:
-        raise HubError(f'{path} is not readable JSON ({e}); write the folder again with '
-                       'timm_affinediv.hub.save_hub_folder.') from e
-    if 'num_classes' in (config.get('model_args') or {}):
+    """Refuse a ``config.json`` that is not a timm-affinediv folder's (``read_config``, and an architecture that
+    names the plugin), or that transformers cannot load: ``num_classes`` in ``model_args`` (a folder of an earlier
+    timm-affinediv), which transformers passes again beside them."""
+    config = read_config(path)
+    arch = config.get('pretrained_cfg', {}).get('architecture')
+    if not isinstance(arch, str) or config['architecture'] != _hub_architecture(arch):
+        raise HubError(f"{path} names the architecture {config['architecture']!r}, not a timm-affinediv Hub folder's "
+                       f"({_hub_architecture('<arch>')!r}, with <arch> in pretrained_cfg): write the folder with "
+                       'timm_affinediv.hub.save_hub_folder.')
+    if 'num_classes' in config.get('model_args', {}):
         raise HubError(
             f"{path} has num_classes in model_args, where transformers' AutoModel and pipeline cannot load it "
             '(they pass their own): write the folder again with timm_affinediv.hub.save_hub_folder, or move it to '
             "config.json's top-level num_classes.")
+
+
+def _check_loads(folder: Path) -> None:
+    """Refuse a folder that does not load as its users will load it, ``timm.create_model('local-dir:...',
+    pretrained=True)``: weights that are cut short, do not fit the architecture or are not finite."""
+    try:
+        timm.create_model(f'local-dir:{folder}', pretrained=True)
+    except HubError:  # the plugin's loader refused it, in a line of its own
+        raise
+    except (RuntimeError, ValueError) as e:  # timm's own refusals (an architecture it lacks, a stem it cannot adapt)
+        raise HubError(f"{folder} does not load with timm ({' '.join(str(e).split())}): write it again with "
+                       'timm_affinediv.hub.save_hub_folder.') from e
 
 
 def _endpoint() -> str:

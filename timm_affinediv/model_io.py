@@ -14,7 +14,8 @@ import torch.nn as nn
 from timm.data import create_transform
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from ._state_dict import describe_mismatch
+from ._hub_folder import check_folder
+from ._state_dict import WeightsFile
 from ._timm_compat import get_model_args
 from .convert import ConversionError, ConversionReport, ConvertOptions, convert_model, model_in_chans
 from .data import (
@@ -26,7 +27,7 @@ from .data import (
     is_stream,
     resolve_dataset_data_config,
 )
-from .errors import CheckpointError, MissingFileError, NormMismatchError
+from .errors import AffineDivError, MissingFileError
 from .hub import model_card_template, save_hub_folder
 from .labels import label_config, model_labels, with_labels
 from .train import TrainConfig, evaluate
@@ -44,8 +45,9 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     weights come from `checkpoint` (safetensors, or a timm/PyTorch checkpoint); `kwargs` go to
     `timm.create_model` (e.g. `num_classes`, `in_chans`, architecture arguments). Weights that cannot be
     loaded raise an error, never a randomly initialised model: `MissingFileError` (a `FileNotFoundError`) for a
-    checkpoint that does not exist, `CheckpointError` for one that is unreadable or does not fit, `ConversionError`
-    for a model that cannot be created or fetched.
+    checkpoint that does not exist, `CheckpointError` for one that is unreadable, not finite or does not fit,
+    `HubError` for a folder that is broken or inconsistent (`timm_affinediv._hub_folder`), `ConversionError` for a
+    model that cannot be created or fetched.
     """
     if model.startswith(('hf-hub:', 'local-dir:')) or pretrained:
         if checkpoint:
@@ -55,7 +57,11 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
             raise ConversionError(
                 f"unknown model '{model}': give a timm model name (timm.list_models(pretrained=True)).")
         try:
+            if not pretrained:  # a folder's config and weights are refused in one line before timm reads them
+                check_folder(model)
             return timm.create_model(model, pretrained=True, **kwargs).eval()
+        except AffineDivError:  # the plugin's own refusal of a folder: already one line that says what to do
+            raise
         except (RuntimeError, ValueError) as e:  # timm: 'No pretrained weights exist ...', weights that do not fit
             message = ' '.join(str(e).split())
             raise ConversionError(f'cannot load the weights of {model} {kwargs or ""}: {message}') from e
@@ -72,18 +78,9 @@ def load_trained_model(model: str, checkpoint: Optional[str] = None, pretrained:
     if not Path(checkpoint).is_file():
         raise MissingFileError(f'checkpoint {checkpoint} not found: pass the path of an existing file.')
     net = timm.create_model(model, **kwargs)
-    try:  # timm's reading (safetensors / .pth, EMA weights preferred), as `timm.models.load_checkpoint` does
-        state_dict = timm.models.load_state_dict(checkpoint)
-    except Exception as e:  # not a checkpoint at all, truncated, ...
-        raise CheckpointError(f'checkpoint {checkpoint} is unreadable ({type(e).__name__}: {e}).') from e
-    try:
-        net.load_state_dict(state_dict, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(
-            f'checkpoint {checkpoint} does not fit {model} {kwargs or ""}: {describe_mismatch(net, state_dict) or e}. '
-            'Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).') from e
-    except NormMismatchError as e:  # a BatchNorm checkpoint for patchnorm slots
-        raise CheckpointError(f'checkpoint {checkpoint}: {e}') from e
+    weights = WeightsFile('checkpoint', checkpoint)
+    weights.load_into(net, weights.read(), target=f'{model} {kwargs or ""}'.strip(),
+                      hint='Check the architecture and its arguments (--num-classes, --in-chans, --model-kwargs).')
     return net.eval()
 
 
