@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 from timm.layers.activations import GELU as TimmGELU
 
+from ..._torch_compat import tensor_version
 from . import ops
 
 __all__ = ['fused_activation', 'patchnorm_conv2d', 'affine_div_linear', 'l2_normalise']
@@ -51,12 +52,12 @@ class _NormMapCache:
 
     def get(self, x: torch.Tensor, key: Hashable) -> Optional[torch.Tensor]:
         entry = self._entry
-        if entry is not None and entry[0]() is x and entry[1] == (x._version, key):
+        if entry is not None and entry[0]() is x and entry[1] == (tensor_version(x), key):
             return entry[2]
         return None
 
     def put(self, x: torch.Tensor, key: Hashable, norm_map: torch.Tensor) -> None:
-        self._entry = (weakref.ref(x), (x._version, key), norm_map)
+        self._entry = (weakref.ref(x), (tensor_version(x), key), norm_map)
 
 
 _norm_maps = _NormMapCache()
