@@ -14,6 +14,7 @@ from timm_affinediv._io import atomic_dir, atomic_write
 from timm_affinediv.cli import USER_ERRORS, run_main
 from timm_affinediv.errors import (
     AffineDivError,
+    BindingError,
     CheckpointError,
     ConfigError,
     ConversionError,
@@ -21,11 +22,17 @@ from timm_affinediv.errors import (
     DeviceError,
     ExportError,
     HubError,
+    KernelError,
     MissingFileError,
     NonFiniteLossError,
+    OptionError,
+    OutputExistsError,
+    RegistrationError,
+    ShapeError,
     SlotLayoutError,
     TimmVersionError,
     TrainingError,
+    UnsupportedTypeError,
 )
 from timm_affinediv.model_io import load_trained_model
 
@@ -33,8 +40,11 @@ from timm_affinediv.model_io import load_trained_model
 @pytest.mark.parametrize('error, builtin', [
     (ConversionError, ValueError), (SlotLayoutError, ValueError), (DataError, RuntimeError),
     (TrainingError, RuntimeError), (ConfigError, ValueError), (CheckpointError, RuntimeError),
-    (NonFiniteLossError, RuntimeError), (HubError, Exception), (ExportError, RuntimeError),
-    (MissingFileError, FileNotFoundError), (TimmVersionError, ImportError), (DeviceError, ValueError)])
+    (NonFiniteLossError, RuntimeError), (HubError, RuntimeError), (ExportError, RuntimeError),
+    (MissingFileError, FileNotFoundError), (TimmVersionError, ImportError), (DeviceError, ValueError),
+    (KernelError, RuntimeError), (OptionError, ValueError), (ShapeError, ValueError),
+    (UnsupportedTypeError, TypeError), (OutputExistsError, FileExistsError), (BindingError, RuntimeError),
+    (RegistrationError, RuntimeError)])
 def test_every_error_is_an_affinediv_error_and_keeps_its_builtin(error, builtin):
     assert issubclass(error, AffineDivError) and issubclass(error, builtin)
     assert issubclass(error, USER_ERRORS)
@@ -46,10 +56,12 @@ def test_old_import_locations_are_the_same_classes():
     from timm_affinediv.export import ExportError as export_error
     from timm_affinediv.hub import HubError as hub_error
     from timm_affinediv.layers.binding import SlotLayoutError as slot_error
+    from timm_affinediv.layers.kernels import KernelError as kernel_error
     from timm_affinediv.train import CheckpointError as checkpoint_error
     from timm_affinediv.train import TrainingError as training_error
-    assert (convert_error, data_error, export_error, hub_error, slot_error, checkpoint_error, training_error) == (
-        ConversionError, DataError, ExportError, HubError, SlotLayoutError, CheckpointError, TrainingError)
+    assert (convert_error, data_error, export_error, hub_error, kernel_error, slot_error, checkpoint_error,
+            training_error) == (ConversionError, DataError, ExportError, HubError, KernelError, SlotLayoutError,
+                                CheckpointError, TrainingError)
 
 
 def _failing(error):
@@ -181,3 +193,50 @@ def test_a_checkpoint_that_does_not_fit_is_named_in_a_short_line(tmp_path):
     assert '12 missing keys (layer4.1.conv1.weight, layer4.1.bn1.weight, layer4.1.bn1.bias and 9 more)' in message
     assert re.search(r'\d+ unexpected \([^)]*extra\.weight', message), message
     assert 'layer1.0.conv1.weight: (8, 64, 3, 3) in the checkpoint, (64, 64, 3, 3) in the model' in message, message
+
+
+def test_the_layers_and_kernels_report_bad_input_as_affinediv_errors(tmp_path):
+    """Each raise site named by its error class, and that class still the builtin callers catch."""
+    from torch.nn.utils.rnn import pack_sequence
+
+    from timm_affinediv.cli import refuse_existing_output
+    from timm_affinediv.layers import AffineDivLSTM, PatchNorm2d, PatchNormConv2d, bind_patchnorm, divergence_corrected
+    from timm_affinediv.layers.kernels import set_kernels
+    with pytest.raises(OptionError, match="scale must be 'rms' or 'l2'"):
+        PatchNormConv2d(3, 4, 3, scale='max')
+    with pytest.raises(OptionError, match='padding_mode'):
+        PatchNormConv2d(3, 4, 3, padding_mode='mirror')
+    with pytest.raises(OptionError, match=r'set_kernels\(mode\) must be one of auto, triton, torch'):
+        set_kernels('fast')
+    with pytest.raises(ShapeError, match='3 input channels'):
+        PatchNormConv2d(3, 4, 3)(torch.randn(1, 5, 8, 8))
+    with pytest.raises(ShapeError, match='8 channels in dim 1'):
+        PatchNorm2d(8)(torch.randn(2, 4, 3, 3))
+    lstm = AffineDivLSTM(5, 3)
+    with pytest.raises(ShapeError, match=r'\(N, L, 5\)'):
+        lstm(torch.randn(2, 4, 6))
+    with pytest.raises(UnsupportedTypeError, match='not PackedSequence'):
+        lstm(pack_sequence([torch.randn(3, 5), torch.randn(2, 5)]))
+    with pytest.raises(UnsupportedTypeError, match='no divergence-corrected form of ReLU'):
+        divergence_corrected(torch.nn.ReLU())
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm = torch.nn.Conv2d(3, 4, 3), PatchNorm2d(4)
+
+        def forward(self, x):
+            return self.norm(self.conv(x)) if x.sum() > 0 else x
+    with pytest.raises(BindingError, match='could not trace'):
+        bind_patchnorm(DataDependent())
+    (tmp_path / 'metrics.json').write_text('{}')
+    with pytest.raises(OutputExistsError, match=r'holds earlier results \(metrics.json\)'):
+        refuse_existing_output(tmp_path)
+
+
+def test_a_scripted_layer_names_the_error_it_raises():
+    """TorchScript compiles the layers' checks with their errors.py classes: the scripted error names the class."""
+    from timm_affinediv.layers import PatchNormConv2d
+    scripted = torch.jit.script(PatchNormConv2d(3, 4, 3, padding=1).eval())
+    with pytest.raises(torch.jit.Error, match='ShapeError: PatchNormConv2d expects 3 input channels'):
+        scripted(torch.randn(1, 5, 8, 8))

@@ -17,7 +17,7 @@ import timm
 from timm.utils import ParseKwargs
 
 from . import _timm_compat as compat
-from .errors import AffineDivError, DataError
+from .errors import AffineDivError, DataError, OutputExistsError
 
 __all__ = [
     'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
@@ -259,8 +259,9 @@ def data_location(args: argparse.Namespace) -> str:
 
 
 def refuse_existing_output(path: str | Path, flag: str = '--overwrite', names: Optional[Iterable[str]] = None) -> None:
-    """ Raise `FileExistsError` if `path` holds earlier results: any entry, or one of `names` when the command writes
-    only those files into a folder that may hold others. Call it before any work starts, unless told to overwrite.
+    """ Raise `OutputExistsError` (a `FileExistsError`) if `path` holds earlier results: any entry, or one of
+    `names` when the command writes only those files into a folder that may hold others. Call it before any work
+    starts, unless told to overwrite.
     """
     path = Path(path)
     if names is not None:
@@ -269,8 +270,8 @@ def refuse_existing_output(path: str | Path, flag: str = '--overwrite', names: O
         found = sorted(p.name for p in path.iterdir()) if path.is_dir() else ([path.name] if path.exists() else [])
     if found:
         shown = ', '.join(found[:5]) + (f' and {len(found) - 5} more' if len(found) > 5 else '')
-        raise FileExistsError(f'{path} holds earlier results ({shown}); pass {flag} to replace them, '
-                              'or choose another --output.')
+        raise OutputExistsError(f'{path} holds earlier results ({shown}); pass {flag} to replace them, '
+                                'or choose another --output.')
 
 
 def run_main(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None,

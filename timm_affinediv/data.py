@@ -112,15 +112,19 @@ def _read_idx(path: str, ndim: int) -> np.ndarray:
         with gzip.open(path, 'rb') as f:
             data = f.read()
         zero, dtype_code, file_ndim = struct.unpack('>HBB', data[:4])
-        if zero != 0 or dtype_code not in _IDX_DTYPES or file_ndim != ndim:
-            raise ValueError(f'bad IDX header (dtype 0x{dtype_code:02x}, {file_ndim} dims, expected {ndim})')
-        shape = struct.unpack(f'>{ndim}I', data[4:4 + 4 * ndim])
-        array = np.frombuffer(data, dtype=_IDX_DTYPES[dtype_code], offset=4 + 4 * ndim)
-        return array.reshape(shape)
+        if zero == 0 and dtype_code in _IDX_DTYPES and file_ndim == ndim:
+            shape = struct.unpack(f'>{ndim}I', data[4:4 + 4 * ndim])
+            return np.frombuffer(data, dtype=_IDX_DTYPES[dtype_code], offset=4 + 4 * ndim).reshape(shape)
     except (OSError, EOFError, ValueError, struct.error) as e:
-        raise DataError(
-            f'cannot read Fashion-MNIST file {path}: {e}. '
-            f'Reinstall it (apt-get install --reinstall dataset-fashion-mnist).') from e
+        raise DataError(_unreadable_idx(path, e)) from e
+    raise DataError(_unreadable_idx(
+        path, f'bad IDX header (dtype 0x{dtype_code:02x}, {file_ndim} dims, expected {ndim})'))
+
+
+def _unreadable_idx(path: str, problem: Any) -> str:
+    """The line for an IDX file that cannot be read because of `problem` (an exception or a description)."""
+    return (f'cannot read Fashion-MNIST file {path}: {problem}. '
+            'Reinstall it (apt-get install --reinstall dataset-fashion-mnist).')
 
 
 def is_fashion_mnist(name: str) -> bool:

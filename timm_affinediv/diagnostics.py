@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import OptionError, ShapeError
 from .layers.affine_div import AffineDivLinear, PatchNormConv2d
 
 __all__ = ['LayerFactorStats', 'divergence_report', 'format_report', 'plot_report', 'update_factor']
@@ -217,12 +218,12 @@ def divergence_report(
     listed in forward order; the model is not changed.
     """
     if batch.dim() < 2:
-        raise ValueError(f"batch must have a batch dimension, got shape {tuple(batch.shape)}")
+        raise ShapeError(f"batch must have a batch dimension, got shape {tuple(batch.shape)}")
     if samples < 1 or (positions_per_sample is not None and positions_per_sample < 1):
-        raise ValueError(f"samples and positions_per_sample must be >= 1, got {samples}, {positions_per_sample}")
+        raise OptionError(f"samples and positions_per_sample must be >= 1, got {samples}, {positions_per_sample}")
     inputs = _capture_inputs(model, batch, batch_stats)
     if not inputs:
-        raise ValueError(f"{type(model).__name__} has no nn.Linear/nn.Conv2d layer reached by its forward")
+        raise OptionError(f"{type(model).__name__} has no nn.Linear/nn.Conv2d layer reached by its forward")
     modules = dict(model.named_modules())
     generator = torch.Generator().manual_seed(seed)
     report = []

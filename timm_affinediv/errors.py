@@ -1,14 +1,16 @@
 """ The errors timm-affinediv reports to its user
 
 Every one derives from `AffineDivError`, so `except AffineDivError` catches what the package raises about its
-input (a model, file, dataset or setting it cannot use), and each keeps the builtin it has always subclassed, so
-`except ValueError` around a conversion or `except RuntimeError` around a training run still works. The command
-line prints any of them as one line and exits with status 2 (`timm_affinediv.cli.run_main`).
+input (a model, file, dataset or setting it cannot use), and each keeps a builtin as its second base (the one it
+was before it joined this family), so `except ValueError` around a conversion or `except RuntimeError` around a
+training run still works. The command line prints any of them as one line and exits with status 2
+(`timm_affinediv.cli.run_main`).
 """
 __all__ = [
     'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',
     'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError',
-    'DeviceError', 'NormMismatchError']
+    'DeviceError', 'NormMismatchError', 'OptionError', 'ShapeError', 'UnsupportedTypeError', 'OutputExistsError',
+    'BindingError', 'RegistrationError', 'KernelError']
 
 
 class AffineDivError(Exception):
@@ -51,7 +53,7 @@ class NonFiniteLossError(TrainingError):
     """The training loss became NaN or infinite; the last good checkpoint is left as it was."""
 
 
-class HubError(AffineDivError):
+class HubError(AffineDivError, RuntimeError):
     """A Hub folder, repo id or upload that cannot go ahead; the message says what to do."""
 
 
@@ -65,3 +67,33 @@ class DeviceError(AffineDivError, ValueError):
 
 class NormMismatchError(AffineDivError, ValueError):
     """A state dict of a model with other norm layers (BatchNorm) loaded into `patchnorm` / `affinediv` slots."""
+
+
+class OptionError(AffineDivError, ValueError):
+    """An argument or environment variable with a value the function does not take (a kernel mode, a layer's
+    `scale`, a model with no layer to measure); the message says what it takes."""
+
+
+class ShapeError(AffineDivError, ValueError):
+    """A tensor with other dimensions or channels than the layer or function was built for."""
+
+
+class UnsupportedTypeError(AffineDivError, TypeError):
+    """An object of a type the function does not take (a PackedSequence, a layer with no divergence-corrected form)."""
+
+
+class OutputExistsError(AffineDivError, FileExistsError):
+    """An output path that holds earlier results, which nothing replaces unless told to (`--overwrite`)."""
+
+
+class BindingError(AffineDivError, RuntimeError):
+    """A model whose `patchnorm` slots cannot be bound to their neighbours: torch.fx cannot trace its forward."""
+
+
+class RegistrationError(AffineDivError, RuntimeError):
+    """timm's layer tables already hold another layer under a name this package registers (another plugin's)."""
+
+
+class KernelError(AffineDivError, RuntimeError):
+    """A Triton kernel that failed to build, launch or pass its self-check on this device, or Triton missing where
+    the kernels were asked for (`set_kernels('triton')`)."""

@@ -31,59 +31,62 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
+from ..errors import OptionError, ShapeError
 from .kernels import functional, use_triton
 from .patches import patch_sq_norm, portable_ops, sq_norm
 
 __all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant']
 
 
-def _check_scale(scale: str) -> str:
+def check_scale(scale: str) -> str:
+    """`scale` where it is 'rms' or 'l2', the two a divergence-corrected layer takes (`OptionError` otherwise)."""
     # written in what TorchScript compiles: l2_normalise checks its scale in forward
     if scale != 'rms' and scale != 'l2':
-        raise ValueError(f"scale must be 'rms' or 'l2', got '{scale}'")
+        raise OptionError(f"scale must be 'rms' or 'l2', got '{scale}'")
     return scale
 
 
 def divergence_constant(fan_in: int, bias: bool, scale: str) -> int:
     """The constant `c` every update is scaled by: `m = fan_in (+1 with bias)` for "rms", 1 for "l2"."""
-    _check_scale(scale)
-    return _constant(fan_in, bias, scale)
+    check_scale(scale)
+    return unchecked_constant(fan_in, bias, scale)
 
 
-def _constant(fan_in: int, bias: bool, scale: str) -> int:
-    """`divergence_constant` for a checked `scale`, in what TorchScript compiles."""
+def unchecked_constant(fan_in: int, bias: bool, scale: str) -> int:
+    """`divergence_constant` without checking `scale` (its caller has), in what TorchScript compiles."""
     return fan_in + int(bias) if scale == 'rms' else 1
 
 
-def _norm_offset(bias: bool, eps: float) -> float:
+def norm_offset(bias: bool, eps: float) -> float:
     """What `|a|^2` adds to `|x|^2`: the bias's constant 1 in `a = [x; 1]`, else `eps` against 0/0."""
     return 1.0 if bias else eps
 
 
 # the shape checks below are written in what TorchScript compiles (no tuple(), no !r in f-strings)
-def _check_last_dim(x: torch.Tensor, features: int, name: str) -> None:
+def check_last_dim(x: torch.Tensor, features: int, name: str) -> None:
+    """Refuse (`ShapeError`) an input to the layer `name` whose last dimension is not its `features`."""
     if x.dim() == 0 or x.shape[-1] != features:
-        raise ValueError(
+        raise ShapeError(
             f"{name} expects inputs whose last dimension is in_features={features}, "
             f"got shape {list(x.shape)}")
 
 
 def _check_nchw(x: torch.Tensor, channels: int, name: str) -> None:
     if x.dim() != 4:
-        raise ValueError(
+        raise ShapeError(
             f"{name} expects a 4-D input (N, C, H, W), got shape {list(x.shape)}; "
             "add a batch dimension with x.unsqueeze(0)")
     if x.shape[1] != channels:
-        raise ValueError(f"{name} expects {channels} input channels, got shape {list(x.shape)}")
+        raise ShapeError(f"{name} expects {channels} input channels, got shape {list(x.shape)}")
 
 
-def _inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
+def inverse_scale(sq: torch.Tensor, c: int, offset: float) -> torch.Tensor:
     """`1 / s = ((|x|^2 + offset) / c)^(-1/2)`, in place on `sq`."""
     return sq.add_(offset).div_(c).rsqrt_()
 
 
-def _augmented_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     channel_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def augmented_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    channel_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """ `(x * inv_s, weight)` for a map applied per position, with `inv_s` appended as an input channel (along
     `channel_dim`) that the bias weights.
 
@@ -129,7 +132,7 @@ class _WideAffineDivLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, post_bias, c: int, offset: float):
-        inv_s = _inverse_scale(sq_norm(x, -1), c, offset).to(x.dtype)
+        inv_s = inverse_scale(sq_norm(x, -1), c, offset).to(x.dtype)
         x = x * inv_s
         if bias is None:
             y = F.linear(x, weight, post_bias)
@@ -312,7 +315,7 @@ class _DivergenceCorrected:
         """`(W x + b) / s(x) (+ post_bias)` for every row `x` of a matrix, divided on the input side."""
         return _apply_under_autocast(
             _WideAffineDivLinearFn, rows.device.type, (rows, weight, bias, post_bias),
-            self.divergence_constant, _norm_offset(bias is not None, self.eps))
+            self.divergence_constant, norm_offset(bias is not None, self.eps))
 
 
 @register_notrace_module  # a leaf for timm's FX feature extraction, like its own norm layers
@@ -336,26 +339,26 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
             dtype=None,
     ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         self.eps = eps
         self._init_fusion()
 
     @property
     def divergence_constant(self) -> int:
-        return _constant(self.in_features, self.bias is not None, self.scale)
+        return unchecked_constant(self.in_features, self.bias is not None, self.scale)
 
     def inv_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / s(x)` in float32 (or float64), shape `x.shape[:-1] + (1,)`."""
-        offset = _norm_offset(self.bias is not None, self.eps)
+        offset = norm_offset(self.bias is not None, self.eps)
         if torch.jit.is_scripting():
             # TorchScript does not apply autocast
-            return _inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
+            return inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
         else:
             with torch.autocast(x.device.type, enabled=False):
-                return _inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
+                return inverse_scale(sq_norm(x, -1), self.divergence_constant, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_last_dim(x, self.in_features, 'AffineDivLinear')
+        check_last_dim(x, self.in_features, 'AffineDivLinear')
         if not portable_ops() and self._uses_kernels(x):
             return self._kernel_forward(x)
         weight, bias, post_bias = self._fused_params()
@@ -363,7 +366,7 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
             if portable_ops():
                 # exporters get the wide map on its scaled input: its bias is then the fused slot's alone, and
                 # ONNX Runtime fuses it and the activation into the GEMM instead of two passes over the output
-                x, weight = _augmented_input(x, self.inv_scale(x), weight, bias, -1)
+                x, weight = augmented_input(x, self.inv_scale(x), weight, bias, -1)
                 return F.linear(x, weight, post_bias)
             y = self._wide_linear(x.reshape(-1, self.in_features), weight, bias, post_bias)
             return y.view(x.shape[:-1] + (self.out_features,))
@@ -374,7 +377,7 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
         """The forward on the fused Triton kernels, with the fused slot's affine in the output pass."""
         gain, post_bias = self._slot_affine()
         return functional.affine_div_linear(x, self.weight, self.bias, gain, post_bias, self.divergence_constant,
-                                            _norm_offset(self.bias is not None, self.eps))
+                                            norm_offset(self.bias is not None, self.eps))
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'
@@ -421,26 +424,26 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
     ):
         valid_modes = ('zeros', 'reflect', 'replicate', 'circular')
         if padding_mode not in valid_modes:
-            raise ValueError(
+            raise OptionError(
                 f"PatchNormConv2d supports padding_mode in {valid_modes}, got {padding_mode!r}")
         super().__init__(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
             groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         self.eps = eps
         self._init_fusion()
 
     @property
     def divergence_constant(self) -> int:
         fan_in = self.in_channels // self.groups * self.kernel_size[0] * self.kernel_size[1]
-        return _constant(fan_in, self.bias is not None, self.scale)
+        return unchecked_constant(fan_in, self.bias is not None, self.scale)
 
     def inv_scale(self, x: torch.Tensor, padding: Tuple[int, int, int, int]) -> torch.Tensor:
         """`1 / s(P_p)` in float32 (or float64), `(N, groups, H_out, W_out)`, for `x` padded by `padding`."""
         c = self.divergence_constant
         scaled_sq_norm = patch_sq_norm(  # (|P|^2 + 1) / c
             x, self.kernel_size, self.stride, padding, self.dilation, self.groups,
-            divisor=c, offset=_norm_offset(self.bias is not None, self.eps) / c)
+            divisor=c, offset=norm_offset(self.bias is not None, self.eps) / c)
         return scaled_sq_norm.rsqrt_()
 
     @property
@@ -467,7 +470,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         if self._wide_pointwise and portable_ops():
             # as AffineDivLinear's wide map: ONNX Runtime then fuses the slot's bias, the activation and a residual
             # sum into the convolution
-            x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
+            x, weight = augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
             return F.conv2d(x, weight, post_bias)
         if torch.is_grad_enabled() and (self._depthwise or self._wide_pointwise) and not portable_ops():
             return self._training_forward(x, weight, bias, post_bias, (pads[2], pads[0]))
@@ -487,7 +490,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         if self._depthwise:
             return _apply_under_autocast(
                 _DepthwisePatchNormFn, x.device.type, (x, weight, bias, post_bias), self.divergence_constant,
-                _norm_offset(bias is not None, self.eps), self.stride, padding, self.dilation)
+                norm_offset(bias is not None, self.eps), self.stride, padding, self.dilation)
         if x.is_contiguous(memory_format=torch.channels_last):
             # channels-last memory is a matrix of pixels: the wide linear map's, with no augmented input,
             # and the output stays channels-last
@@ -495,7 +498,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
             rows = x.permute(0, 2, 3, 1).reshape(-1, self.in_channels)
             y = self._wide_linear(rows, weight.flatten(1), bias, post_bias)
             return y.view(n, h, w, self.out_channels).permute(0, 3, 1, 2)
-        x, weight = _augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
+        x, weight = augmented_input(x, self.inv_scale(x, (0, 0, 0, 0)), weight, bias, 1)
         return F.conv2d(x, weight, post_bias)
 
     @torch.jit.unused
@@ -506,7 +509,7 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         act = 'none' if self.fused_slot is None else self.fused_slot.kernel_activation()
         return functional.patchnorm_conv2d(
             x, self.weight, self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
-            self.divergence_constant, _norm_offset(self.bias is not None, self.eps), act)
+            self.divergence_constant, norm_offset(self.bias is not None, self.eps), act)
 
     def extra_repr(self) -> str:
         return f'{super().extra_repr()}, scale={self.scale}'

@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .._timm_compat import get_model_input_config
-from ..errors import SlotLayoutError
+from ..errors import BindingError, SlotLayoutError, UnsupportedTypeError
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .kernels import kernel_path
 from .layout import channel_axis_after, is_metadata_use, value_shape
@@ -77,8 +77,8 @@ def divergence_corrected(module: nn.Module, scale: str = 'rms', add_bias: bool =
         return AffineDivLinear.from_linear(module, scale=scale)
     if type(module) is nn.LSTM:
         return AffineDivLSTM.from_lstm(module, scale=scale)
-    raise TypeError(f"no divergence-corrected form of {type(module).__name__}; "
-                    "only nn.Conv2d, nn.Linear and nn.LSTM (exact types) can be converted")
+    raise UnsupportedTypeError(f"no divergence-corrected form of {type(module).__name__}; "
+                               "only nn.Conv2d, nn.Linear and nn.LSTM (exact types) can be converted")
 
 
 def _is_replaceable_affine(node: fx.Node, modules: Dict[str, nn.Module], calls: Dict[str, int],
@@ -290,8 +290,9 @@ def _bind_slot(name: str, node: fx.Node, slot: PatchNormSlot, flow: _SlotGraph, 
 def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
     """ Bind every `patchnorm` slot of `model` to its neighbours (in place) and return the bindings.
 
-    A no-op for models without slots. Raises `RuntimeError` if the model cannot be traced, `SlotLayoutError` if a
-    slot's input holds its channels neither in dim 1 nor in the last dim (checked on fake tensors).
+    A no-op for models without slots. Raises `BindingError` (a `RuntimeError`) if the model cannot be traced,
+    `SlotLayoutError` if a slot's input holds its channels neither in dim 1 nor in the last dim (checked on fake
+    tensors).
     """
     slots = {name: m for name, m in model.named_modules() if isinstance(m, PatchNormSlot)}
     if not slots:
@@ -302,7 +303,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
         with _keeping_module_state(model):
             traced = trace_values(model, (2, *input_size), concrete_args=_default_forward_args(model))
     except Exception as e:
-        raise RuntimeError(
+        raise BindingError(
             f"cannot bind the patchnorm slots of {type(model).__name__}: torch.fx could not trace it "
             f"({type(e).__name__}: {e}). Use a traceable model, or a norm layer other than 'patchnorm'."
         ) from e

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 
-from .affine_div import _check_last_dim, _check_scale
+from .affine_div import check_last_dim, check_scale
 from .kernels import functional, use_triton
 from .patches import at_least_float32, portable_ops
 
@@ -25,7 +25,7 @@ __all__ = ['L2Norm', 'L2Norm2d', 'L2NormLinear', 'l2_normalise']
 
 def l2_normalise(x: torch.Tensor, dim: int, scale: str = 'l2', eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(|x|^2 / c + eps)` over `dim`, `c = 1` ("l2") or `x.shape[dim]` ("rms")."""
-    c = x.shape[dim] if _check_scale(scale) == 'rms' else 1
+    c = x.shape[dim] if check_scale(scale) == 'rms' else 1
     if torch.jit.is_scripting():
         # TorchScript does not apply autocast
         return _normalise(x, dim, c, eps)
@@ -66,7 +66,7 @@ class L2Norm(nn.Module):
         super().__init__()
         self.num_features = num_features
         self.eps = eps
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         if affine:
             self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
             self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
@@ -107,11 +107,11 @@ class L2NormLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, scale: str = 'l2',
                  eps: float = 1e-6, **kwargs):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_last_dim(x, self.in_features, type(self).__name__)
+        check_last_dim(x, self.in_features, type(self).__name__)
         return F.linear(l2_normalise(x, -1, self.scale, self.eps), self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -16,7 +16,8 @@ import torch.nn as nn
 from timm.layers import register_notrace_module
 from torch.nn.utils.rnn import PackedSequence
 
-from .affine_div import _augmented_input, _check_scale, _constant, _inverse_scale, _norm_offset
+from ..errors import ShapeError, UnsupportedTypeError
+from .affine_div import augmented_input, check_scale, inverse_scale, norm_offset, unchecked_constant
 from .patches import sq_norm
 
 __all__ = ['AffineDivLSTM']
@@ -36,17 +37,17 @@ class AffineDivLSTM(nn.LSTM):
 
     def __init__(self, *args, scale: str = 'rms', eps: float = 1e-12, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         self.eps = eps
 
     @property
     def divergence_constant(self) -> int:
-        return _constant(self.input_size, self.bias, self.scale)
+        return unchecked_constant(self.input_size, self.bias, self.scale)
 
     def inv_scale(self, x: torch.Tensor) -> torch.Tensor:
         """`1 / s(x)` in float32 (or float64), shape `x.shape[:-1] + (1,)`."""
         with torch.autocast(x.device.type, enabled=False):
-            return _inverse_scale(sq_norm(x, -1), self.divergence_constant, _norm_offset(self.bias, self.eps))
+            return inverse_scale(sq_norm(x, -1), self.divergence_constant, norm_offset(self.bias, self.eps))
 
     def first_layer_maps(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """`(weight_ih, bias_ih)` of layer 0 in each direction (bias None without biases): the corrected maps."""
@@ -61,9 +62,10 @@ class AffineDivLSTM(nn.LSTM):
 
     def forward(self, input: torch.Tensor, hx: Optional[State] = None) -> Tuple[torch.Tensor, State]:
         if isinstance(input, PackedSequence):
-            raise TypeError('AffineDivLSTM takes padded tensors, not PackedSequence; pad the sequences first')
+            raise UnsupportedTypeError('AffineDivLSTM takes padded tensors, not PackedSequence; pad the sequences '
+                                       'first')
         if input.dim() not in (2, 3) or input.size(-1) != self.input_size:
-            raise ValueError(f'AffineDivLSTM expects (N, L, {self.input_size}) or (L, {self.input_size}) input '
+            raise ShapeError(f'AffineDivLSTM expects (N, L, {self.input_size}) or (L, {self.input_size}) input '
                              f'(batch_first={self.batch_first}), got {tuple(input.shape)}')
         batched = input.dim() == 3
         batch_dim = 0 if self.batch_first else 1
@@ -75,7 +77,7 @@ class AffineDivLSTM(nn.LSTM):
         # the directions' maps stacked, so that the input is augmented once
         weight = torch.cat([w for w, _ in maps])
         bias = torch.cat([b for _, b in maps]) if self.bias else None
-        augmented_x, augmented_weight = _augmented_input(x, inv_s, weight, bias, -1)
+        augmented_x, augmented_weight = augmented_input(x, inv_s, weight, bias, -1)
         for d, direction_weight in enumerate(augmented_weight.chunk(len(maps))):
             weights[d * per_direction] = direction_weight
             if bias is not None:  # the bias is a column of the augmented weight, divided with the rest

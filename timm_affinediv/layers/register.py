@@ -21,6 +21,7 @@ import torch.nn as nn
 from timm.layers import BatchNormAct2d
 
 from .. import _timm_compat as compat
+from ..errors import RegistrationError
 from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
 from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
@@ -40,7 +41,7 @@ CONVNEXT_NORM_LAYERS = dict(patchnorm=(functools.partial(PatchNorm2d, channels_l
 def _add_entries(table: dict, entries: dict, where: str) -> None:
     for name, layer in entries.items():
         if table.setdefault(name, layer) != layer:
-            raise RuntimeError(
+            raise RegistrationError(
                 f"timm's {where} already has a different '{name}' ({table[name]!r}); "
                 "timm_affinediv will not replace timm's own entries")
 

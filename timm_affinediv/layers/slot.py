@@ -25,8 +25,8 @@ from timm.layers import register_notrace_module
 from timm.layers.typing import LayerType
 
 from .._timm_compat import create_act
-from ..errors import NormMismatchError
-from .affine_div import _check_scale
+from ..errors import NormMismatchError, ShapeError
+from .affine_div import check_scale
 from .kernels import functional, use_triton
 from .norm import channel_affine, l2_normalise
 from .patches import portable_ops
@@ -89,7 +89,7 @@ class PatchNormSlot(nn.Module):
         super().__init__()
         self.num_features = num_features
         self.eps = eps
-        self.scale = _check_scale(scale)
+        self.scale = check_scale(scale)
         self.weight = nn.Parameter(torch.ones(num_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(num_features, device=device, dtype=dtype))
         self.binding: Optional[SlotBinding] = None
@@ -122,7 +122,7 @@ class PatchNormSlot(nn.Module):
     def slot_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The slot's function; subclasses wrap it (TorchScript compiles no `super().forward`)."""
         if x.dim() < 2 or x.shape[self.channel_dim] != self.num_features:
-            raise ValueError(
+            raise ShapeError(
                 f"the norm slot expects {self.num_features} channels in dim {self.channel_dim}, "
                 f"got shape {list(x.shape)}")
         if self.fused:  # the producer applied this affine, in the pass that divided by s

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import KernelError
 from ..patches import BoxFilter
-from .dispatch import KernelError
 
 ACTIVATIONS = {'none': 0, 'relu': 1, 'gelu': 2, 'silu': 3}
 _TILE = 1024  # elements a program's tile holds: 8 a thread at _WARPS warps

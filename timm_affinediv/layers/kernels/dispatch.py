@@ -25,10 +25,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ...errors import AffineDivError
+from ...errors import KernelError, OptionError
 
-__all__ = ['KERNEL_MODES', 'KernelError', 'set_kernels', 'kernels_mode', 'triton_available', 'use_triton',
-           'kernel_path', 'kernel_failed', 'fell_back']
+__all__ = ['KERNEL_MODES', 'set_kernels', 'kernels_mode', 'triton_available', 'use_triton', 'kernel_path',
+           'kernel_failed', 'fell_back']
 
 KERNEL_MODES = ('auto', 'triton', 'torch')
 _ENV = 'TIMM_AFFINEDIV_KERNELS'
@@ -37,7 +37,7 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _checked(mode: str, source: str) -> str:
     if mode not in KERNEL_MODES:
-        raise ValueError(f"{source} must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
+        raise OptionError(f"{source} must be one of {', '.join(KERNEL_MODES)}, got {mode!r}")
     return mode
 
 
@@ -48,8 +48,8 @@ def set_kernels(mode: str = 'auto') -> None:
     """Choose the code path: 'auto', 'triton' (raises if Triton is not installed) or 'torch'."""
     global _MODE
     if _checked(mode, 'set_kernels(mode)') == 'triton' and not triton_available():
-        raise RuntimeError("set_kernels('triton'): Triton is not installed; install torch's CUDA build (it ships "
-                           "Triton) or `pip install triton`, or use 'auto'/'torch'")
+        raise KernelError("set_kernels('triton'): Triton is not installed; install torch's CUDA build (it ships "
+                          "Triton) or `pip install triton`, or use 'auto'/'torch'")
     _MODE = mode
     _fall_back(None)
     for key in [key for key, failure in SELF_CHECKS.items() if failure is not None]:
@@ -87,10 +87,6 @@ def _runs_kernels(device: torch.device) -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the layers compute on `x` with the Triton kernels (the caller has ruled out the export paths)."""
     return kernel_path(x.device, x.dtype) == 'triton'
-
-
-class KernelError(AffineDivError, RuntimeError):
-    """A Triton kernel that failed to build or launch on this device."""
 
 
 _FAILURE = None  # the KernelError that sent `auto` to torch's operations for this process
