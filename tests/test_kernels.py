@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import timm_affinediv
 from timm_affinediv.layers import AffineDivLinear, L2Norm2d, L2NormLinear, PatchNormAct2d, PatchNormConv2d, SlotBinding
-from timm_affinediv.layers.kernels import kernel_path, kernels_mode, set_kernels, triton_available
+from timm_affinediv.layers.kernels import KernelError, kernel_path, kernels_mode, set_kernels, triton_available
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -327,20 +327,20 @@ def test_box_filter_in_the_output_pass_matches_its_torch_twin(geometry):
 def test_a_large_window_sums_rows_then_columns(geometry):
     """A window larger than 3 x 3 sums in two passes (`_separable`): its rows into a float32 map, then its columns in
     the output pass, and the adjoint in the reverse order; both give the one-pass window's sums."""
-    from timm_affinediv.layers.kernels import _torch, _triton, ops
+    from timm_affinediv.layers.kernels import _torch, _triton, passes
     from timm_affinediv.layers.patches import BoxFilter
     conv, x, y, m, t = _box_filter_inputs(geometry, 11, 9)
     geo = [list(conv.kernel_size), list(conv.stride), list(conv.padding), list(conv.dilation)]
-    assert ops._separable(geo[0])
+    assert passes._separable(geo[0])
     depthwise = conv.groups == x.shape[1]
-    rows, columns = ops._rows_and_columns(*geo)
+    rows, columns = passes._rows_and_columns(*geo)
     whole = _torch.scale(y, m, box=BoxFilter(*map(tuple, geo), divisor=5, offset=0.1, squares=depthwise))
     whole_adjoint = _torch.scale(x, t, rsqrt=False, box=BoxFilter(*map(tuple, geo), adjoint=True))
     for kernels in (_triton, _torch):
-        r = kernels.box_filter(m, ops._box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
-        split = kernels.scale(y, r, box=ops._box(*columns, divisor=5, offset=0.1))
-        r = kernels.box_filter(t, ops._box(*columns, adjoint=True), (x.shape[2], y.shape[3]))
-        split_adjoint = kernels.scale(x, r, rsqrt=False, box=ops._box(*rows, adjoint=True))
+        r = kernels.box_filter(m, passes._box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
+        split = kernels.scale(y, r, box=passes._box(*columns, divisor=5, offset=0.1))
+        r = kernels.box_filter(t, passes._box(*columns, adjoint=True), (x.shape[2], y.shape[3]))
+        split_adjoint = kernels.scale(x, r, rsqrt=False, box=passes._box(*rows, adjoint=True))
         torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(split_adjoint, whole_adjoint, rtol=1e-5, atol=1e-5)
 
@@ -413,8 +413,8 @@ def test_kernel_that_fails_to_build_falls_back_under_auto_and_raises_under_trito
         for g, w in zip(step, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     kernels('triton')
-    with pytest.raises(dispatch.KernelError, match=f'{kernel} failed: RuntimeError: PTXAS error.*'
-                                                   'TIMM_AFFINEDIV_KERNELS=torch'):
+    with pytest.raises(KernelError, match=f'{kernel} failed: RuntimeError: PTXAS error.*'
+                                          'TIMM_AFFINEDIV_KERNELS=torch'):
         _run(module, x, grad)
 
 
@@ -465,7 +465,7 @@ def test_kernel_that_returns_wrong_values_is_caught_at_first_use(launcher, how, 
         for g, w in zip(step_results, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     kernels('triton')
-    with pytest.raises(dispatch.KernelError, match='failed their self-check.*TIMM_AFFINEDIV_KERNELS=torch'):
+    with pytest.raises(KernelError, match='failed their self-check.*TIMM_AFFINEDIV_KERNELS=torch'):
         _run(module, x, grad)
 
 

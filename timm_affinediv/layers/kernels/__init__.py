@@ -12,10 +12,12 @@ bfloat16, NCHW or channels-last (read by their strides, never copied). `AffineDi
 `l2_normalise` (L2NormLinear, L2Norm, standalone slots) `out = x rsqrt(|x|^2 / c + eps)`.
 
 `dispatch` chooses the path (`TIMM_AFFINEDIV_KERNELS=auto|triton|torch`, `set_kernels`) and takes a kernel's failure,
-`functional` holds the entry points the layers call, `ops` the torch custom ops, `_triton` the kernels and `_torch`
-their twins in torch's operations (what the ops fall back to).
+`functional` holds the entry points the layers call, `ops` the torch custom ops, `passes` the output pass and `dx`
+update they compose from the launchers, `_triton` the kernels and `_torch` their twins in torch's operations (what
+the ops fall back to), `selfcheck` the comparison of the two before the kernels' first use.
 """
-from .dispatch import KERNEL_MODES, KernelError, kernel_path, kernels_mode, set_kernels, triton_available, use_triton
+from ...errors import KernelError
+from .dispatch import KERNEL_MODES, kernel_path, kernels_mode, set_kernels, triton_available, use_triton
 
 __all__ = ['KERNEL_MODES', 'KernelError', 'kernel_path', 'kernels_mode', 'set_kernels', 'triton_available',
            'use_triton']

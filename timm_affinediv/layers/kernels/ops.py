@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..patches import BoxFilter
+from ...errors import KernelError
 from . import _torch, dispatch
+from .passes import add_norm_grad, conv_output
 
 __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 
@@ -48,7 +49,7 @@ def _falls_back(layer: Callable[..., str]):
         def run(*args, **kwargs):
             try:
                 return body(*args, **kwargs)
-            except dispatch.KernelError as failure:
+            except KernelError as failure:
                 dispatch.kernel_failed(layer(*args, **kwargs), failure)
                 return body(*args, **kwargs)
         return run
@@ -75,76 +76,26 @@ def _unused(x: Tensor) -> Tensor:
     return x.new_empty(0)
 
 
-def _pointwise(kernel_size: List[int], padding: List[int]) -> bool:
-    return list(kernel_size) == [1, 1] and not any(padding)
-
-
-def _box(kernel_size: List[int], stride: List[int], padding: List[int], dilation: List[int], **options) -> BoxFilter:
-    return BoxFilter(tuple(kernel_size), tuple(stride), tuple(padding), tuple(dilation), **options)
-
-
-def _separable(kernel_size: List[int]) -> bool:
-    """Whether a window sums in two passes, along rows into a float32 map and then along columns: `kh + kw` loads an
-    element instead of `kh kw`, for the windows larger than 3 x 3 (ConvNeXt's 7 x 7)."""
-    kh, kw = kernel_size
-    return kh > 1 and kw > 1 and kh * kw > 9
-
-
-def _rows_and_columns(kernel_size: List[int], stride: List[int], padding: List[int],
-                      dilation: List[int]) -> Tuple[List[List[int]], List[List[int]]]:
-    """A window's geometry split into its rows' (1 x kw) and its columns' (kh x 1)."""
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel_size, stride, padding, dilation
-    return [[1, kw], [1, sw], [0, pw], [1, dw]], [[kh, 1], [sh, 1], [ph, 0], [dh, 1]]
-
-
-def _conv_output(kernels, x: Tensor, y: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
-                 post_bias: Optional[Tensor], stride: List[int], padding: List[int], dilation: List[int], groups: int,
-                 c: int, offset: float, act: str) -> Tuple[Tensor, Tensor]:
-    """ `(out, b)`: the output pass and `b = (|P_p|^2 + offset) / c` per group and output position, float32.
-
-    A k x k map's box filter runs inside the output pass on the channel sums of `x^2` at the input positions (on
-    `x` itself for a depthwise map), which stores `b` for the backward: no pooling, offset or fill launches of its
-    own. `kernels`: the launchers (`_triton` or `_torch`)."""
-    if _pointwise(weight.shape[2:], padding):
-        # a 1x1 map reads only every stride-th position, and its box filter is the identity
-        b = kernels.channel_sq_norm(x[:, :, ::stride[0], ::stride[1]], groups, 1. / c, offset / c)
-        return kernels.scale(y, b, post_bias, act, gain=gain, bias=bias), b
-    b = y.new_empty((y.shape[0], groups, *y.shape[2:]), dtype=torch.float32)
-    # a depthwise map's channel sums are the squares themselves: the output pass filters them from `x`
-    depthwise = groups == x.shape[1]
-    q = x if depthwise else kernels.channel_sq_norm(x, groups)
-    if _separable(weight.shape[2:]):
-        rows, columns = _rows_and_columns(weight.shape[2:], stride, padding, dilation)
-        q = kernels.box_filter(q, _box(*rows, squares=depthwise), (x.shape[2], y.shape[3]))
-        box = _box(*columns, divisor=c, offset=offset / c, out=b)
-    else:
-        box = _box(weight.shape[2:], stride, padding, dilation, divisor=c, offset=offset / c, squares=depthwise, out=b)
-    return kernels.scale(y, q, post_bias, act, gain=gain, bias=bias, box=box), b
-
-
 def _summed_alone(partials: Optional[Tensor]) -> Optional[Tensor]:
     """`partials` summed over dim 1 in a launch of their own, where no `dx` pass follows to sum them."""
     return None if partials is None else partials.sum(1)
 
 
-def _add_norm_grad(kernels, grad_x: Tensor, x: Tensor, t: Tensor, kernel_size: List[int], stride: List[int],
-                   padding: List[int], dilation: List[int], c: int, partials: Optional[Tensor]) -> Optional[Tensor]:
-    """ `grad_x -= x box^T(t) / c`, in place; `t` holds one channel per group at the output positions. Returns
-    `partials` (`scale_backward`'s, K x R x C) summed over dim 1, in the same launch (None without them), by
-    `kernels` (`_triton` or `_torch`)."""
-    sums = None if partials is None else partials.new_empty((partials.shape[0], partials.shape[2]))
-    box = None
-    if _pointwise(kernel_size, padding):
-        grad_x, x = grad_x[:, :, ::stride[0], ::stride[1]], x[:, :, ::stride[0], ::stride[1]]
-    elif _separable(kernel_size):
-        # the adjoint of rows-then-columns: the columns' adjoint into a map at the input's rows, then the rows'
-        rows, columns = _rows_and_columns(kernel_size, stride, padding, dilation)
-        t = kernels.box_filter(t, _box(*columns, adjoint=True), (x.shape[2], t.shape[3]))
-        box = _box(*rows, adjoint=True)
-    else:
-        box = _box(kernel_size, stride, padding, dilation, adjoint=True)
-    kernels.scale(x, t, alpha=-1. / c, rsqrt=False, base=grad_x, out=grad_x, box=box, partials=partials, sums=sums)
-    return sums
+def _affine_needed(output_mask: List[bool], bias: Optional[Tensor], gain: Optional[Tensor],
+                   post_bias: Optional[Tensor]) -> Tuple[bool, bool, bool]:
+    """Whether the backward computes dL/dbias, dL/dgain and dL/dpost_bias: asked for (`output_mask[2:]`) and there."""
+    needs_bias, needs_gain, needs_post_bias = (
+        needed and p is not None for needed, p in zip(output_mask[2:], (bias, gain, post_bias)))
+    return needs_bias, needs_gain, needs_post_bias
+
+
+def _fake_backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Optional[Tensor],
+                   post_bias: Optional[Tensor], output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """The shapes a backward op returns, `(dL/dx, dL/dweight, affine)`: the fake implementation of both."""
+    needs_x, needs_weight = output_mask[:2]
+    rows = sum(_affine_needed(output_mask, bias, gain, post_bias))
+    return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
+            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
 
 
 @torch.library.custom_op('timm_affinediv::patchnorm_conv2d', mutates_args=())
@@ -155,7 +106,7 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
                      groups: int, c: int, offset: float, act: str,
                      norm_map: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """ `(out, y, b)`: `out = act(gain (y + bias) rsqrt(b) + post_bias)`, `y = conv(x)` without its bias, `b` as
-    `_conv_output`.
+    `passes.conv_output`.
 
     The bias, `gain` and `post_bias` (a fused slot's affine) are applied in the output pass, in float32: not folded
     into the weight, nor the bias cast to the convolution's dtype, each of which would cost launches forward and
@@ -165,8 +116,8 @@ def patchnorm_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], gain: Op
     kernels = _kernels(x)
     y = torch.ops.aten.convolution(x, weight, None, stride, padding, dilation, False, [0, 0], groups)
     if norm_map is None:
-        out, b = _conv_output(kernels, x, y, weight, bias, gain, post_bias, stride, padding, dilation, groups, c,
-                              offset, act)
+        out, b = conv_output(kernels, x, y, weight, bias, gain, post_bias, stride, padding, dilation, groups, c,
+                             offset, act)
         return out, y, b
     b = norm_map.contiguous() if not norm_map.is_contiguous() else norm_map.clone()  # an output is no input
     return kernels.scale(y, b, post_bias, act, gain=gain, bias=bias), y, b
@@ -190,15 +141,14 @@ def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor
     `affine`: the rows dL/dpost_bias, dL/dgain and dL/dbias (float32, those asked for), summed in the `dx` pass's
     launch."""
     kernels = _kernels(x)
-    needs_x, needs_weight, *needs_affine = output_mask
-    needs_bias, needs_gain, needs_post_bias = (
-        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
+    needs_x, needs_weight = output_mask[:2]
+    needs_bias, needs_gain, needs_post_bias = _affine_needed(output_mask, bias, gain, post_bias)
     grad_y, t, partials = kernels.scale_backward(
         grad, y, b, post_bias, act, needs_post_bias, gain=gain, gain_grad=needs_gain, bias=bias, bias_grad=needs_bias)
     grad_x, grad_weight, _ = torch.ops.aten.convolution_backward(
         grad_y, x, weight, None, stride, padding, dilation, False, [0, 0], groups, [needs_x, needs_weight, False])
     if needs_x:
-        affine = _add_norm_grad(kernels, grad_x, x, t, weight.shape[2:], stride, padding, dilation, c, partials)
+        affine = add_norm_grad(kernels, grad_x, x, t, weight.shape[2:], stride, padding, dilation, c, partials)
     else:
         affine = _summed_alone(partials)
     return (grad_x if needs_x else _unused(x), grad_weight if needs_weight else _unused(x),
@@ -207,10 +157,7 @@ def patchnorm_conv2d_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tensor
 
 @patchnorm_conv2d_backward.register_fake
 def _(grad, x, weight, y, b, bias, gain, post_bias, stride, padding, dilation, groups, c, act, output_mask):
-    needs_x, needs_weight, *needs_affine = output_mask
-    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
-    return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
+    return _fake_backward(x, weight, bias, gain, post_bias, output_mask)
 
 
 def _affine_grads(affine: Tensor, mask: List[bool], bias: Optional[Tensor], gain: Optional[Tensor],
@@ -280,9 +227,8 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
                                output_mask: List[bool]) -> Tuple[Tensor, Tensor, Tensor]:
     """`(dL/dx, dL/dweight, affine)` as `patchnorm_conv2d_backward`'s."""
     kernels = _kernels(x)
-    needs_x, needs_weight, *needs_affine = output_mask
-    needs_bias, needs_gain, needs_post_bias = (
-        needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
+    needs_x, needs_weight = output_mask[:2]
+    needs_bias, needs_gain, needs_post_bias = _affine_needed(output_mask, bias, gain, post_bias)
     grad_y = torch.empty_like(y)
     _, t, partials = kernels.scale_backward(
         _as_maps(grad), _as_maps(y), b, post_bias, 'none', needs_post_bias, grad_y=_as_maps(grad_y), gain=gain,
@@ -290,7 +236,7 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
     grad_x = _unused(x)
     if needs_x:
         grad_x = grad_y @ weight
-        affine = _add_norm_grad(kernels, _as_maps(grad_x), _as_maps(x), t, *_ROW_MAP, c, partials)
+        affine = add_norm_grad(kernels, _as_maps(grad_x), _as_maps(x), t, *_ROW_MAP, c, partials)
     else:
         affine = _summed_alone(partials)
     return grad_x, grad_y.t() @ x if needs_weight else _unused(x), _unused(x) if affine is None else affine
@@ -298,10 +244,7 @@ def affine_div_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, y: Tenso
 
 @affine_div_linear_backward.register_fake
 def _(grad, x, weight, y, b, bias, gain, post_bias, c, output_mask):
-    needs_x, needs_weight, *needs_affine = output_mask
-    rows = sum(needed and p is not None for needed, p in zip(needs_affine, (bias, gain, post_bias)))
-    return (torch.empty_like(x) if needs_x else _unused(x), torch.empty_like(weight) if needs_weight else _unused(x),
-            x.new_empty((rows, weight.shape[0]), dtype=torch.float32) if rows else _unused(x))
+    return _fake_backward(x, weight, bias, gain, post_bias, output_mask)
 
 
 def _setup_linear(ctx, inputs, output):

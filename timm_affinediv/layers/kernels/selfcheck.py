@@ -29,8 +29,10 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ...errors import KernelError
 from ..patches import is_channels_last
-from . import _torch, _triton, dispatch, ops
+from . import _torch, _triton, dispatch
+from .passes import add_norm_grad, conv_output
 
 __all__ = ['TOLERANCE', 'GPU_SIZES', 'verify', 'run_cases']
 
@@ -94,14 +96,14 @@ def verify(x: Tensor) -> None:
     if key not in checks:
         try:
             checks[key] = _check(x.device, x.dtype, key[2] == 'channels-last')
-        except dispatch.KernelError as failure:
+        except KernelError as failure:
             checks[key] = failure
     failure = checks[key]
     if failure is not None:
         raise failure
 
 
-def _check(device: torch.device, dtype: torch.dtype, channels_last: bool) -> Optional[dispatch.KernelError]:
+def _check(device: torch.device, dtype: torch.dtype, channels_last: bool) -> Optional[KernelError]:
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for (case, got), (_, want) in zip(run_cases(_triton, device, dtype, channels_last),
                                           run_cases(_torch, device, dtype, channels_last)):
@@ -110,7 +112,7 @@ def _check(device: torch.device, dtype: torch.dtype, channels_last: bool) -> Opt
                 tolerance = TOLERANCE[expected.dtype]
                 if not error <= tolerance:  # NaN included
                     layout = 'channels-last' if channels_last else 'contiguous'
-                    return dispatch.KernelError(
+                    return KernelError(
                         f'the Triton kernels failed their self-check on {device} ({dtype}, {layout}): '
                         f'{_STEPS[name]} of {case.name} is {error:.3g} from its torch twin, relative to its largest '
                         f'value (tolerance {tolerance:g})')
@@ -158,16 +160,16 @@ def _inputs(case: _Case, sizes: _Sizes, generator: torch.Generator, device: torc
 
 def _layer(kernels, case: _Case, x: Tensor, weight: Tensor, affine: Tuple[Optional[Tensor], ...], grad: Tensor,
            grad_x: Tensor) -> Dict[str, Tensor]:
-    """A patchnorm map's forward and backward as the ops compose them, on the launchers `kernels`."""
+    """A patchnorm map's forward and backward as the ops compose them (`passes`), on the launchers `kernels`."""
     bias, gain, post_bias = affine
     geometry = ([case.stride] * 2, [case.kernel_size // 2] * 2, [1, 1])
     groups = case.groups or x.shape[1]
     c = weight[0].numel() + 1
     y = torch.ops.aten.convolution(x, weight, None, *geometry, False, [0, 0], groups)
-    out, b = ops._conv_output(kernels, x, y, weight, bias, gain, post_bias, *geometry, groups, c, 1., case.act)
+    out, b = conv_output(kernels, x, y, weight, bias, gain, post_bias, *geometry, groups, c, 1., case.act)
     grad_y, t, partials = kernels.scale_backward(
         grad, y, b, post_bias, case.act, post_bias is not None, gain=gain, gain_grad=gain is not None, bias=bias,
         bias_grad=bias is not None)
     grad_x = grad_x.clone()
-    sums = ops._add_norm_grad(kernels, grad_x, x, t, weight.shape[2:], *geometry, c, partials)
+    sums = add_norm_grad(kernels, grad_x, x, t, weight.shape[2:], *geometry, c, partials)
     return dict(b=b, out=out, t=t, grad_y=grad_y, grad_x=grad_x, sums=sums)
