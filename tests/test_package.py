@@ -66,3 +66,15 @@ def test_help_of_every_command_names_defaults_and_an_example(command, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f'usage: timm-affinediv {command} ')
     assert '(default: ' in text and '\nexamples:\n' in text and f'    timm-affinediv {command} ' in text, text
+
+
+def test_a_report_without_its_options_still_describes_itself():
+    """`ConversionReport.options` may be None (a report built by hand, or read from an older one): the description
+    leaves out the thresholds it would have named."""
+    from timm_affinediv.convert import ConversionReport
+    from timm_affinediv.convert.distill import Agreement
+    report = ConversionReport('resnet18', 'patchnorm', calibration_batches=1, calibration_images=8, seconds=1.0,
+                              agreement_fitted=Agreement(top1=0.9, kl=0.01))
+    assert report.describe() == ('0 divergence-corrected layers fitted by ridge least squares; top-1 agreement with '
+                                 'the original on the 8 calibration images (no held-out images given) 90.0% '
+                                 '(mean KL 0.0100) after the fit')

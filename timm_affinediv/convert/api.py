@@ -94,7 +94,8 @@ class ConversionReport:
         and the agreement of the model returned (the model card's recipe)."""
         text = f'{len(self.layers)} divergence-corrected layers fitted by ridge least squares'
         trained = [b for b in self.blocks if b.steps]
-        reconstruct = (self.options or {}).get('reconstruct', {})
+        options = self.options or {}
+        reconstruct, distill = options.get('reconstruct', {}), options.get('distill', {})
         if self.blocks:
             text += (f'; {len(trained)} of {len(self.blocks)} blocks had a relative squared output error above '
                      f"{reconstruct['threshold']:g} after the fit and were reconstructed"
@@ -106,12 +107,11 @@ class ConversionReport:
         a, d = self.agreement_fitted, self.distillation
         if a is None:
             return text
-        threshold = self.options['distill']['threshold']
+        threshold = distill.get('threshold')
         text += (f"; top-1 agreement with the original on the {self.check_images} {100 * a.top1:.1f}% "
                  f'(mean KL {a.kl:.4f}) after the {"reconstruction" if trained else "fit"}')
         if d is None:
-            return text + (f', at least {100 * threshold:g}%, so it was not distilled'
-                           if self.options['distill']['epochs'] else '')
+            return text + (f', at least {100 * threshold:g}%, so it was not distilled' if distill.get('epochs') else '')
         text += (f", under {100 * threshold:g}%, so the whole model was distilled on the original's logits over "
                  f'{d.images} images a pass, {d.epochs} passes ({d.steps} Adam steps'
                  + (', stopped early' if d.stopped_early else '') + ')')
