@@ -1,0 +1,172 @@
+"""The package's source as a whole: its modules import each other without a circle and reach no private name of
+another module, and every error it raises on bad input is one of `errors.py`'s (`AffineDivError`, keeping its
+builtin), never a bare builtin. Read from the source with `ast`, so a module that is never imported is checked too."""
+import ast
+import builtins
+import graphlib
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import pytest
+
+import timm_affinediv
+from timm_affinediv import errors
+
+PACKAGE = Path(timm_affinediv.__file__).resolve().parent
+BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
+                  if isinstance(value, type) and issubclass(value, BaseException)}
+
+#: builtins the package may raise as they are, each for a reason; every other `raise Builtin(...)` fails
+ALLOWED_BUILTIN_RAISES = {
+    'NotImplementedError': 'a subclass that does not implement an abstract method is a bug, not bad input',
+}
+
+#: exception classes defined outside errors.py, each for a reason: neither is an error about the user's input
+ALLOWED_EXCEPTION_CLASSES = {
+    ('train.config', 'TrainingInterrupted'): 'a stop the user asked for (Ctrl-C, SIGTERM), a KeyboardInterrupt '
+                                             'that `except Exception` must not catch',
+    ('train.trainer', '_StopRequested'): "the training loop's own signal to leave its loop, caught inside it",
+}
+
+
+def _modules() -> Dict[str, Path]:
+    """Every module of the package by its dotted name ('layers.kernels.ops'; '' for the package itself)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob('*.py')):
+        parts = path.relative_to(PACKAGE).with_suffix('').parts
+        modules['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _where(path: Path, node: ast.AST) -> str:
+    return f'{path.relative_to(PACKAGE.parent)}:{node.lineno}'
+
+
+def _parts(name: str) -> List[str]:
+    return name.split('.') if name else []
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> Optional[str]:
+    """The module (relative to the package) that `from ... import` in `module` reads; None outside the package."""
+    if not node.level:
+        top, _, rest = (node.module or '').partition('.')
+        return rest if top == PACKAGE.name else None
+    package = _parts(module) if path.name == '__init__.py' else _parts(module)[:-1]
+    return '.'.join(package[:len(package) - node.level + 1] + _parts(node.module or ''))
+
+
+def _imports(module: str, path: Path) -> Iterator[Tuple[ast.AST, str, List[ast.alias]]]:
+    """`(node, module imported from, names)` for every import of a package module in `module` (`import
+    timm_affinediv.x`: names empty), deferred ones (inside a function) included: an import in a function that closes
+    a circle still ties the two modules to each other."""
+    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path, node)
+            if target is not None:
+                yield node, target, node.names
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                top, _, rest = alias.name.partition('.')
+                if top == PACKAGE.name:
+                    yield node, rest, []
+
+
+def _graph() -> Dict[str, Set[str]]:
+    """Each module and the package modules it imports: `from . import ops` the submodule `ops`, `from .ops import
+    f` the module `ops`."""
+    graph = {}
+    for module, path in MODULES.items():
+        targets = set()
+        for _, target, names in _imports(module, path):
+            submodules = {'.'.join(_parts(target) + [alias.name]) for alias in names} & MODULES.keys()
+            targets |= submodules if len(submodules) == len(names) > 0 else {target}
+        graph[module] = targets - {module}
+    return graph
+
+
+def test_module_graph_is_read_in_full():
+    graph = _graph()
+    assert 'errors' in graph['layers.kernels.dispatch'] and 'layers.kernels.dispatch' in graph['layers.kernels.ops']
+    assert 'layers.kernels.selfcheck' in graph['layers.kernels.ops'], 'a deferred import is an edge too'
+    assert graph['errors'] == set()
+
+
+def test_modules_import_each_other_without_a_circle():
+    try:
+        tuple(graphlib.TopologicalSorter(_graph()).static_order())
+    except graphlib.CycleError as error:
+        pytest.fail('the package modules import each other in a circle: ' + ' -> '.join(error.args[1]))
+
+
+def test_no_module_reaches_another_modules_private_names():
+    """`from .x import _name` and `x._name` between the package's modules: a name one module uses from another is
+    public within the package. Modules with a private name (`_io`, `_timm_compat`, `_triton`, ...) may be imported
+    whole: their functions are the package's."""
+    reaches = []
+    for module, path in MODULES.items():
+        bound = {}  # local names of imported package modules
+        for node, target, names in _imports(module, path):
+            for alias in names:
+                name = '.'.join(_parts(target) + [alias.name])
+                if name in MODULES:
+                    bound[alias.asname or alias.name] = name
+                elif alias.name.startswith('_') and not alias.name.startswith('__'):
+                    reaches.append(f'{_where(path, node)}: from {target or PACKAGE.name} import {alias.name}')
+            if isinstance(node, ast.Import):
+                bound.update({alias.asname: alias.name.partition('.')[2] for alias in node.names if alias.asname})
+        for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith('_') and not node.attr.startswith('__')):
+                reaches.append(f'{_where(path, node)}: {node.value.id}.{node.attr}')
+    assert not reaches, 'private names reached across modules (make them public within the package):\n' + \
+        '\n'.join(reaches)
+
+
+def _raised_builtins(path: Path) -> Iterator[Tuple[int, str]]:
+    """`(line, builtin)` for every `raise Builtin(...)` / `raise Builtin` in the module at `path`."""
+    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(raised, ast.Name) and raised.id in BUILTIN_ERRORS:
+                yield node.lineno, raised.id
+
+
+def test_the_raise_walk_finds_bare_builtins_and_only_them(tmp_path):
+    module = tmp_path / 'module.py'
+    module.write_text('from .errors import ConversionError\n\n\ndef f(x):\n    if x:\n        raise ValueError(x)\n'
+                      '    try:\n        g()\n    except KeyError as e:\n        raise ConversionError(x) from e\n'
+                      '    raise RuntimeError\n')
+    assert sorted(_raised_builtins(module)) == [(6, 'ValueError'), (11, 'RuntimeError')]
+
+
+def test_every_raise_on_bad_input_is_an_affinediv_error():
+    bare = [f'{path.relative_to(PACKAGE.parent)}:{line}: raise {name}' for path in MODULES.values()
+            for line, name in _raised_builtins(path) if name not in ALLOWED_BUILTIN_RAISES]
+    assert not bare, ('bare builtin errors raised (raise one of timm_affinediv/errors.py, which keeps the builtin as '
+                      'its second base):\n' + '\n'.join(bare))
+
+
+def test_every_exception_class_is_defined_in_errors_py():
+    exception_bases = BUILTIN_ERRORS | set(errors.__all__)
+    outside = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+            if isinstance(node, ast.ClassDef) and module != 'errors' and (module, node.name) not in \
+                    ALLOWED_EXCEPTION_CLASSES:
+                bases = {base.id if isinstance(base, ast.Name) else getattr(base, 'attr', '') for base in node.bases}
+                if bases & exception_bases:
+                    outside.append(f'{_where(path, node)}: class {node.name}')
+    assert not outside, 'exception classes outside timm_affinediv/errors.py:\n' + '\n'.join(outside)
+
+
+@pytest.mark.parametrize('name', errors.__all__)
+def test_every_error_in_errors_py_is_an_affinediv_error_with_a_builtin_base(name):
+    error = getattr(errors, name)
+    assert issubclass(error, errors.AffineDivError)
+    builtin_bases = [base for base in error.__mro__
+                     if base.__module__ == 'builtins' and base not in (Exception, BaseException, object)]
+    assert builtin_bases or error is errors.AffineDivError, \
+        f'{name} keeps no builtin base, so `except <builtin>` around the call that raises it misses it'
