@@ -10,7 +10,7 @@ __all__ = [
     'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',
     'CheckpointError', 'NonFiniteLossError', 'HubError', 'ExportError', 'MissingFileError', 'TimmVersionError',
     'DeviceError', 'NormMismatchError', 'OptionError', 'ShapeError', 'UnsupportedTypeError', 'OutputExistsError',
-    'BindingError', 'RegistrationError', 'KernelError']
+    'BindingError', 'RegistrationError', 'KernelError', 'TorchVersionError']
 
 
 class AffineDivError(Exception):
@@ -23,6 +23,10 @@ class MissingFileError(AffineDivError, FileNotFoundError):
 
 class TimmVersionError(AffineDivError, ImportError):
     """The installed timm is outside the range this release is tested with (`timm_affinediv._timm_compat`)."""
+
+
+class TorchVersionError(AffineDivError, ImportError):
+    """The installed torch lacks a private name the package reaches (`timm_affinediv._torch_compat`)."""
 
 
 class ConversionError(AffineDivError, ValueError):
