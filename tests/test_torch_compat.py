@@ -1,7 +1,10 @@
-""" torch's private names, which only timm_affinediv/_torch_compat.py reaches: every one resolves on the installed
-torch, and one that a torch release moved fails with a line that names it and the file to update."""
+""" torch's private names, which only timm_affinediv/_torch_compat.py reaches: every one it lists resolves on the
+installed torch (a release that moves one fails here, naming it and the file to update), the list holds every
+private name the module touches, and nothing else in the package, its scripts or tests reaches torch's internals."""
+import ast
 import importlib
 import pathlib
+from typing import Optional, Set
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from timm_affinediv import _torch_compat as compat
 from timm_affinediv.layers.kernels import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMPAT = ROOT / 'timm_affinediv' / '_torch_compat.py'
 
 
 def _instance(owner: str):
@@ -20,26 +24,59 @@ def _instance(owner: str):
             'torch._library.custom_ops.CustomOpDef': ops.patchnorm_conv2d}[owner]
 
 
+def _moved(owner: str, name: str, found: bool) -> Optional[str]:
+    """The failure's line where `owner.name` is not found on this torch."""
+    return None if found else f'torch {torch.__version__} moved {owner}.{name}: update timm_affinediv/_torch_compat.py'
+
+
+def _importable(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
 @pytest.mark.parametrize('module,name', [(m, n) for m, names in compat.PRIVATE_IMPORTS.items() for n in names])
 def test_every_private_import_resolves(module, name):
-    found = getattr(importlib.import_module(module), name, None)
-    assert found is not None, (f'torch {torch.__version__} moved {module}.{name}: update '
-                               'timm_affinediv/_torch_compat.py')
+    failure = _moved(module, name, _importable(module, name))
+    assert failure is None, failure
 
 
 @pytest.mark.parametrize('owner,name', [(o, n) for o, names in compat.PRIVATE_ATTRIBUTES.items() for n in names])
 def test_every_private_attribute_resolves(owner, name):
-    assert hasattr(_instance(owner), name), (f'torch {torch.__version__} moved {owner}.{name}: update '
-                                             'timm_affinediv/_torch_compat.py')
+    failure = _moved(owner, name, hasattr(_instance(owner), name))
+    assert failure is None, failure
 
 
-def test_a_moved_name_fails_with_one_line_naming_it_and_this_module():
-    with pytest.raises(ImportError) as raised:
-        compat.private_name('torch._subclasses.fake_tensor', 'NoSuchMode')
-    assert str(raised.value) == (f'torch {torch.__version__} has no torch._subclasses.fake_tensor.NoSuchMode: update '
-                                 'timm_affinediv/_torch_compat.py to where this torch keeps it')
-    with pytest.raises(ImportError, match=r'has no torch\._C\.DispatchKey\.NoSuchKey: update timm_affinediv/'):
-        compat.dispatch_key_excluded('NoSuchKey')
+def test_a_moved_name_fails_with_one_line_naming_it_and_the_module():
+    assert not _importable('torch._C', '_no_such_name') and not _importable('torch._no_such_module', 'x')
+    assert _moved('torch._C', '_no_such_name', False) == (
+        f'torch {torch.__version__} moved torch._C._no_such_name: update timm_affinediv/_torch_compat.py')
+
+
+def _touched(tree: ast.AST) -> Set[str]:
+    """The private names a module's source takes from torch: `from torch.x._y import z` and `torch._C.NAME`, as
+    'module.name', and private attributes it reads (`._is_view`), as '.name'."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('torch.') and '._' in node.module:
+            names |= {f'{node.module}.{alias.name}' for alias in node.names}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                isinstance(node.value.value, ast.Name) and node.value.value.id == 'torch' and node.value.attr == '_C':
+            names.add(f'torch._C.{node.attr}')
+        elif isinstance(node, ast.Attribute) and node.attr.startswith('_') and not node.attr.startswith('__') and \
+                not (isinstance(node.value, ast.Name) and node.value.id == 'torch'):
+            names.add(f'.{node.attr}')
+    return names
+
+
+def test_the_lists_hold_every_private_name_the_module_touches():
+    listed = {f'{m}.{n}' for m, names in compat.PRIVATE_IMPORTS.items() for n in names}
+    listed |= {f'.{n}' for names in compat.PRIVATE_ATTRIBUTES.values() for n in names} | {'torch._C'}
+    touched = _touched(ast.parse(COMPAT.read_text()))
+    assert touched <= listed, sorted(touched - listed)
+    assert {'torch._subclasses.fake_tensor.FakeTensorMode', 'torch._C._ExcludeDispatchKeyGuard', '._is_view',
+            '._abstract_fn'} <= touched
 
 
 def test_the_wrappers_do_what_they_say():
@@ -51,8 +88,12 @@ def test_the_wrappers_do_what_they_say():
     assert compat.op_schema(torch.ops.aten.add_.Tensor).arguments[0].alias_info.is_write
     assert compat.custom_op_overload(ops.patchnorm_conv2d) is torch.ops.timm_affinediv.patchnorm_conv2d.default
     assert 'aten::conv2d' in compat.ops_with_kernel('AutocastCPU') and compat.has_kernel('aten::conv2d', 'AutocastCPU')
+    assert compat.lookup_device_info('NVIDIA H100').tops_sparsity_factor > 1
+
+    def conv():
+        return torch.nn.functional.conv2d(torch.randn(1, 2, 3, 3), torch.randn(2, 2, 1, 1))
+
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        conv = lambda: torch.nn.functional.conv2d(torch.randn(1, 2, 3, 3), torch.randn(2, 2, 1, 1))  # noqa: E731
         assert conv().dtype == torch.bfloat16
         with compat.dispatch_key_excluded('AutocastCPU'):
             assert conv().dtype == torch.float32
@@ -67,15 +108,13 @@ def test_fake_ops_run_their_bodies_inside_the_context_only():
 
 
 def test_nothing_else_reaches_torch_internals():
-    """The package and its scripts import torch's private modules only through the compat module."""
+    """The package, its scripts and tests import torch's private modules only through the compat module."""
     offenders = []
     for folder in ('timm_affinediv', 'scripts', 'tests'):
         for path in (ROOT / folder).rglob('*.py'):
-            if path.name in ('_torch_compat.py', 'test_torch_compat.py'):
+            if path in (COMPAT, pathlib.Path(__file__).resolve()):
                 continue
-            text = path.read_text()
-            for private in ('from torch._', 'import torch._', 'torch._C.', '._is_view(', '._destroy(', '._schema',
-                            '._abstract_fn', '._init_fn', '._opoverload'):
-                if private in text:
-                    offenders.append(f'{path.relative_to(ROOT)}: {private}')
+            for name in _touched(ast.parse(path.read_text())):
+                if not name.startswith('.') or name[1:] in {n for v in compat.PRIVATE_ATTRIBUTES.values() for n in v}:
+                    offenders.append(f'{path.relative_to(ROOT)}: {name}')
     assert not offenders, offenders
