@@ -31,10 +31,10 @@ from typing import Dict, List
 
 import timm
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
 from timm_affinediv._io import atomic_write
+from timm_affinediv._torch_compat import FakeTensorMode, fakes_run_bodies
 from timm_affinediv.cli import run_main
 from timm_affinediv.commands import command_parser
 
@@ -52,29 +52,15 @@ def _describe(arg):
 
 def record(models: List[str], img_size: int) -> Dict[str, int]:
     """`{launch: count}` over one fake train step of each model, dtype and layout (see the module's docstring)."""
-    from timm_affinediv.layers.kernels import _torch, _triton, dispatch, ops, selfcheck, set_kernels
+    from timm_affinediv.layers.kernels import selfcheck
+    from timm_affinediv.layers.kernels.recording import custom_ops, recorded_launches
     launches = collections.Counter()
 
-    def launch(kernel, grid, *args, **constexprs):
+    def launch(kernel, args, constexprs):
         launches[json.dumps([kernel.__name__, [_describe(a) for a in args], constexprs])] += 1
 
-    class Recording:
-        """The launchers: `_triton`'s record their launches, their torch twins compute the results."""
-        def __getattr__(self, name):
-            def launcher(*args, **kwargs):
-                getattr(_triton, name)(*args, **kwargs)
-                return getattr(_torch, name)(*args, **kwargs)
-            return launcher
-
-    custom_ops = [getattr(ops, name) for name in ops.__all__]
-    custom_ops += [getattr(ops, f'{name}_backward') for name in ops.__all__]
-    saved = (_triton._launch, ops._kernels, dispatch._runs_kernels, [op._abstract_fn for op in custom_ops])
-    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, lambda x: Recording(), lambda device: True
-    for op in custom_ops:
-        op._abstract_fn = op._init_fn  # under FakeTensorMode the ops run their bodies, not their shape functions
-    mode = dispatch.kernels_mode()
-    set_kernels('triton')
-    try:
+    # under FakeTensorMode the ops run their bodies, not their shape functions
+    with recorded_launches(launch) as launchers, fakes_run_bodies(custom_ops()):
         for name in models:
             for dtype in (torch.bfloat16, torch.float32):
                 for channels_last in (True, False):
@@ -92,15 +78,10 @@ def record(models: List[str], img_size: int) -> Dict[str, int]:
         for dtype in (torch.bfloat16, torch.float32):
             for channels_last in (True, False):
                 with FakeTensorMode(allow_non_fake_inputs=True):
-                    cases = selfcheck.run_cases(Recording(), torch.device('cpu'), dtype, channels_last,
+                    cases = selfcheck.run_cases(launchers, torch.device('cpu'), dtype, channels_last,
                                                 selfcheck.GPU_SIZES)
                     for _ in cases:
                         pass
-    finally:
-        _triton._launch, ops._kernels, dispatch._runs_kernels = saved[:3]
-        for op, fn in zip(custom_ops, saved[3]):
-            op._abstract_fn = fn
-        set_kernels(mode)
     return dict(launches)
 
 

@@ -77,25 +77,14 @@ def _count_events(events) -> collections.Counter:
 
 def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.Counter, int]:
     """(launching aten ops by name, Triton launches) of one train step."""
-    from timm_affinediv.layers.kernels import _torch, _triton, dispatch, ops, set_kernels
+    from timm_affinediv.layers.kernels.recording import recorded_launches
     triton_launches = [0]
 
-    def launch(kernel, grid, *args, **constexprs):
+    def launch(kernel, args, constexprs):
         triton_launches[0] += 1
 
-    class Counting:
-        """The Triton launchers, counting their launches; the values from the torch twins, out of the count."""
-        def __getattr__(self, launcher):
-            def run(*args, **kwargs):
-                getattr(_triton, launcher)(*args, **kwargs)
-                with torch.profiler.record_function(_HIDDEN):
-                    return getattr(_torch, launcher)(*args, **kwargs)
-            return run
-
-    saved = _triton._launch, ops._kernels, dispatch._runs_kernels, dispatch.kernels_mode()
-    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, lambda x: Counting(), lambda device: True
-    set_kernels('triton')
-    try:
+    # the torch twins' values, out of the count
+    with recorded_launches(launch, lambda: torch.profiler.record_function(_HIDDEN)):
         torch.manual_seed(0)
         kwargs = {'norm_layer': norm} if norm else {}
         model = timm.create_model(name, **kwargs).to(memory_format=torch.channels_last).train()
@@ -114,9 +103,6 @@ def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.
         triton_launches[0] = 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             step()
-    finally:
-        _triton._launch, ops._kernels, dispatch._runs_kernels = saved[:3]
-        set_kernels(saved[3])
     return _count_events(prof.events()), triton_launches[0]
 
 

@@ -5,7 +5,8 @@ tiles of `BP` positions times `BC` channels, accumulates in float32, and reads i
 per group, `(N, G, H*W)` float32, contiguous) by the channel's group `c // CPG`. Rows of a matrix are the case
 `H = W = 1`. Imported on first use, after `TRITON_INTERPRET` is read (Triton reads it when a kernel is defined).
 """
-from typing import Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import triton
@@ -382,8 +383,27 @@ def _scale_backward_kernel(
                         WRITE_GAIN, WRITE_BIAS)
 
 
+#: where launches go instead of a GPU while `launches_recorded` holds: `record(kernel, args, constexprs)`
+_recorder: Optional[Callable[[Any, tuple, dict], None]] = None
+
+
+@contextlib.contextmanager
+def launches_recorded(record: Callable[[Any, tuple, dict], None]) -> Iterator[None]:
+    """ Every launch given to `record(kernel, args, constexprs)` instead of run, so that a CPU can see what a step
+    launches (scripts/launch_count.py, kernel_registers.py, gpu_model.py, through `recording.recorded_launches`)."""
+    global _recorder
+    saved, _recorder = _recorder, record
+    try:
+        yield
+    finally:
+        _recorder = saved
+
+
 def _launch(kernel, grid, *args, **constexprs) -> None:
     """`kernel[grid](*args, **constexprs)`; a failure to build or launch it is raised as a `KernelError` naming it."""
+    if _recorder is not None:
+        _recorder(kernel, args, constexprs)
+        return
     try:
         kernel[grid](*args, **constexprs)
     except Exception as error:
