@@ -136,10 +136,10 @@ class TrainConfig:
     lr_k_decay: float = 1.
     warmup_lr: float = 1e-5
     min_lr: float = 0.
-    epochs: int = 10
+    epochs: float = 10  # a fraction (0.25) or a non-whole count ends the run inside an epoch (`Trainer`)
     decay_milestones: Tuple[int, ...] = (90, 180, 270)
     decay_epochs: float = 90
-    warmup_epochs: int = 0
+    warmup_epochs: float = 0
     warmup_prefix: bool = False
     cooldown_epochs: int = 0
     patience_epochs: int = 10
@@ -164,6 +164,10 @@ class TrainConfig:
     resume: Optional[str] = None
     no_resume_opt: bool = False  # resume the weights, not the optimiser / loss-scaler state
     eval_metric: str = 'top1'  # 'top1', 'top5' or 'loss': picks the best checkpoint and drives the plateau schedule
+    # evaluations and the stop rule (`Trainer`)
+    evaluations: Optional[int] = None  # evaluate this many times, evenly over the run's updates, not at epoch ends
+    stop_patience: Optional[int] = None  # stop after this many evaluations in a row that do not better the best
+    stop_target: Optional[float] = None  # stop at the first evaluation whose eval_metric reaches this
     checkpoint_hist: int = 1
     log_interval: int = 50
     progress: Optional[bool] = None  # progress bars; None: when stderr is a terminal, else log lines
@@ -213,7 +217,15 @@ class TrainConfig:
         """Raise `ConfigError` for settings that cannot work."""
         channels = self.input_size[0] if self.input_size else self.in_chans
         checks = [
-            (self.epochs >= 1, f'epochs must be >= 1, got {self.epochs}'),
+            (self.epochs > 0, f'epochs must be > 0, got {self.epochs}'),
+            (float(self.epochs).is_integer() or self.sched_on_updates,
+             f'epochs {self.epochs} ends inside an epoch, which a schedule stepped once an epoch cannot span: '
+             f'add --sched-on-updates, or give whole epochs'),
+            (self.evaluations is None or self.evaluations >= 1, f'evaluations must be >= 1, got {self.evaluations}'),
+            (self.evaluations is None or self.sched_on_updates,
+             'evaluations inside epochs need a schedule stepped on updates: add --sched-on-updates'),
+            (self.stop_patience is None or self.stop_patience >= 1,
+             f'stop-patience must be >= 1, got {self.stop_patience}'),
             (self.batch_size >= 1, f'batch size must be >= 1, got {self.batch_size}'),
             (self.grad_accum_steps >= 1, f'grad-accum-steps must be >= 1, got {self.grad_accum_steps}'),
             (0. <= self.distill_weight <= 1., f'distill-weight must be in [0, 1], got {self.distill_weight}'),
@@ -263,7 +275,8 @@ class TrainConfig:
 class TrainResult:
     """What a finished run leaves for publishing (e.g. `timm_affinediv.hub.save_hub_folder`).
 
-    `model` holds the final weights (the EMA weights when EMA is on), also written to `<output>/model.safetensors`;
+    `model` holds the final weights (the EMA weights when EMA is on), also written to `<output>/model.safetensors`:
+    those of the best evaluation where the plateau rule stopped the run, and `metrics` are then that evaluation's;
     `model_args` rebuild its architecture with `timm.create_model(model_name, **model_args)` (for a ready model
     given to the Trainer, as far as `TrainConfig.model` / `model_kwargs` / `norm_layer` describe it).
     """
@@ -276,6 +289,8 @@ class TrainResult:
     output_dir: str
     weights_file: str
     eval_set: str = ''  # the validation set in words, with its size (`describe_split`)
+    images: int = 0  # training images taken (each process's batches)
+    stopped: Optional[str] = None  # 'target' / 'plateau': the stop rule ended the run before its last update
 
 
 # train.py settings of the machine or its logging, not of what is trained: a recipe's values are not used

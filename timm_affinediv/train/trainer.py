@@ -12,10 +12,15 @@ distillation from a teacher, per-epoch evaluation (loss, top-1, top-5, images/s)
 atomic checkpoints (safetensors weights + optimizer, scheduler, EMA, step and RNG states) from which `resume`
 reproduces an uninterrupted run. Under `torchrun` it trains with DistributedDataParallel; only rank 0 writes files.
 
+A run of `epochs` may end inside an epoch (0.125: an eighth of the training split's images), its update-stepped
+schedule spanning exactly its updates; `evaluations` spreads the evaluations (and checkpoints) over the run's updates
+instead of at each epoch's end, and `stop_patience` / `stop_target` end it early on the evaluated metric.
+
 The parts live beside it: `config` (settings, errors), `checkpoint` (checkpoint I/O), `distributed` (set-up),
 `distill` (the distillation loss and teacher), `metrics` (evaluation, logs and plots).
 """
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -242,8 +247,11 @@ class Trainer:
         self.optimizer = create_optimizer_v2(
             self.model, **optimizer_kwargs(dataclasses.replace(cfg, lr=self.lr)), **cfg.opt_kwargs)
         self.updates_per_epoch = math.ceil(len(self.train_loader) / cfg.grad_accum_steps)
-        self.scheduler, self.num_epochs = create_scheduler_v2(
-            self.optimizer, **scheduler_kwargs(cfg), updates_per_epoch=self.updates_per_epoch)
+        self.scheduler, self.total_updates = self._create_scheduler()
+        self.num_epochs = math.ceil(self.total_updates / self.updates_per_epoch)
+        # the updates after which the run evaluates besides its end (None: at each epoch's end)
+        self.evaluation_points = None if cfg.evaluations is None else {
+            round(k * self.total_updates / cfg.evaluations) for k in range(1, cfg.evaluations + 1)} - {0}
         if self.scheduler is None:  # timm's schedulers apply the layer-decay scales; without one, apply them here
             for group in self.optimizer.param_groups:
                 group['lr'] = self.lr * group.get('lr_scale', 1.)
@@ -275,11 +283,31 @@ class Trainer:
         self._pending_rng: Optional[Dict[str, Any]] = None
         self._stop_requested = False
         self.last_checkpoint: Optional[str] = None
+        self.stopped: Optional[str] = None  # what the stop rule ended the run on ('target', 'plateau')
         self.checkpoint_dir = os.path.join(cfg.output, 'checkpoints')
         if cfg.resume:
             self.load_checkpoint(resolve_checkpoint(cfg.resume))
 
     # ---- set-up helpers
+    def _create_scheduler(self) -> Tuple[Any, int]:
+        """timm's schedule and the run's length in optimiser updates. Whole epochs go to `create_scheduler_v2` as
+        train.py passes them; a run ending inside an epoch is given to it in updates (its epoch-valued settings times
+        the updates of an epoch), so that the schedule spans exactly its `round(epochs x updates per epoch)` updates."""
+        cfg, per_epoch = self.cfg, self.updates_per_epoch
+        kwargs = scheduler_kwargs(cfg)
+        if float(cfg.epochs).is_integer():
+            scheduler, num_epochs = create_scheduler_v2(
+                self.optimizer, **dict(kwargs, num_epochs=int(cfg.epochs)), updates_per_epoch=per_epoch)
+            return scheduler, int(num_epochs) * per_epoch
+        fraction_of_schedule = cfg.sched in ('wsd', 'rsqrt') and cfg.decay_epochs < 1  # timm's, whatever the unit
+        kwargs.update(
+            num_epochs=max(1, round(cfg.epochs * per_epoch)), warmup_epochs=round(cfg.warmup_epochs * per_epoch),
+            cooldown_epochs=round(cfg.cooldown_epochs * per_epoch),
+            decay_epochs=cfg.decay_epochs if fraction_of_schedule else cfg.decay_epochs * per_epoch,
+            decay_milestones=[round(m * per_epoch) for m in cfg.decay_milestones])
+        scheduler, updates = create_scheduler_v2(self.optimizer, **kwargs, updates_per_epoch=1)
+        return scheduler, int(updates)
+
     def _resolve_amp_dtype(self) -> Optional[torch.dtype]:
         if not self.cfg.amp:
             return None
@@ -312,6 +340,15 @@ class Trainer:
         """The weights a run publishes: the EMA weights when EMA is on, else the trained model."""
         return self.ema.module if self.ema is not None else self.model
 
+    @property
+    def images_seen(self) -> int:
+        """The training images taken so far, over all processes: the batches of every update (an epoch's last one
+        may take fewer than `grad_accum_steps`)."""
+        epochs, updates = divmod(self.num_updates, self.updates_per_epoch)
+        batches = len(self.train_loader)
+        return (epochs * batches + min(updates * self.cfg.grad_accum_steps, batches)) * self.cfg.batch_size \
+            * self.world_size
+
     # ---- training
     def _backward(self, loss: torch.Tensor, need_update: bool) -> None:
         cfg = self.cfg
@@ -339,8 +376,10 @@ class Trainer:
         return flags[1].item() > 0
 
     def train_one_epoch(self, epoch: int) -> Dict[str, float]:
-        """Train one epoch, from update `self.update_in_epoch` when resumed mid-epoch; return its train loss and
-        images/s. Raises `_StopRequested` at an update boundary when a stop was requested."""
+        """Train one epoch, from update `self.update_in_epoch` when resumed mid-epoch, to its end or the run's last
+        update, evaluating at the `evaluation_points` inside it; return its train loss and images/s (since the last
+        evaluation inside it), or {} where the stop rule ended the run inside it. Raises `_StopRequested` at an update
+        boundary when a stop was requested."""
         cfg = self.cfg
         accum = cfg.grad_accum_steps
         num_batches = len(self.train_loader)  # for a stream, its estimate of itself
@@ -359,7 +398,7 @@ class Trainer:
         if self._pending_rng is not None:
             _set_rng_state(self._pending_rng)
             self._pending_rng = None
-        if first_batch == 0:
+        if first_batch == 0 and self.evaluation_points is None:  # else the meter spans the evaluations' periods
             self._meter.zero_()
         self.ddp_model.train()
         group_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -370,8 +409,14 @@ class Trainer:
             total=num_batches, initial=first_batch, desc=f'train {epoch}', unit='batch', leave=False,
             disable=not bars, dynamic_ncols=True)
         batch_idx = first_batch - 1
-        batches = _with_last(loader_iter) if self.stream else (
-            (next(loader_iter), i + 1 == num_batches) for i in range(first_batch, num_batches))
+        # a run that ends inside this epoch stops at its last update
+        end_batch = min(num_batches, first_batch + (self.total_updates - self.num_updates) * accum)
+        if self.stream:  # its length is an estimate: cut it only where the run ends inside an epoch
+            cut = not float(cfg.epochs).is_integer()
+            batches = _with_last(itertools.islice(loader_iter, end_batch - first_batch) if cut else loader_iter)
+        else:
+            batches = ((next(loader_iter), i + 1 == end_batch) for i in range(first_batch, end_batch))
+        period_start, period_first = start, first_batch  # the batches since the last evaluation in this epoch
         with progress:
             for batch_idx, ((x, target), is_last) in enumerate(batches, start=first_batch):
                 if self.normalize_batch is not None:
@@ -382,7 +427,7 @@ class Trainer:
                 if self.mixup_fn is not None:
                     x, target = self.mixup_fn(x, target)
                 update_idx = batch_idx // accum
-                group_size = max(1, min(accum, num_batches - update_idx * accum))
+                group_size = max(1, min(accum, end_batch - update_idx * accum))
                 need_update = (batch_idx + 1) % accum == 0 or is_last
                 sync = self.ddp_model.no_sync() if self.distributed and not need_update else nullcontext()
                 with sync:
@@ -411,6 +456,14 @@ class Trainer:
                 self._meter[1] += group_samples
                 group_loss.zero_()
                 group_samples = 0
+                if self.evaluation_points and self.num_updates in self.evaluation_points and not is_last:
+                    self._sync_check(epoch)  # a non-finite loss stops before the evaluation
+                    is_best = self._evaluate(epoch, self._train_metrics(batch_idx + 1 - period_first, period_start),
+                                             period_start)
+                    self._after_evaluation(f'epoch-{epoch:04d}-{self.update_in_epoch:06d}', is_best)
+                    if self.stopped:
+                        return {}
+                    period_start, period_first = time.perf_counter(), batch_idx + 1
                 if self.update_in_epoch % cfg.log_interval == 0:
                     stop = self._sync_check(epoch)  # syncs ranks: the only per-step host sync
                     if bars:
@@ -423,12 +476,16 @@ class Trainer:
                 if stop:
                     raise _StopRequested()
         self._sync_check(epoch)  # also waits for the device, so the time below is the real one
-        elapsed = time.perf_counter() - start
+        return self._train_metrics(batch_idx + 1 - period_first, period_start)
+
+    def _train_metrics(self, batches: int, since: float) -> Dict[str, float]:
+        """The mean training loss of the meter and the images/s of `batches` batches (each process's) since `since`,
+        over all ranks."""
         meter = self._meter.clone()
         if self.distributed:
             dist.all_reduce(meter)
         return dict(train_loss=(meter[0] / meter[1]).item(),
-                    train_img_s=(batch_idx + 1 - first_batch) * batch_size * self.world_size / elapsed)
+                    train_img_s=batches * self.cfg.batch_size * self.world_size / (time.perf_counter() - since))
 
     def _progress_bars(self) -> bool:
         """Progress bars on rank 0 when `cfg.progress` says so, or, left unset, when they would go to a terminal
@@ -446,33 +503,78 @@ class Trainer:
                         autocast=self._autocast, distributed=self.distributed,
                         progress=self._progress_bars(), memory_format=self.memory_format)
 
-    def _end_epoch(self, epoch: int, train_metrics: Dict[str, float], epoch_start: float) -> Dict[str, float]:
-        """Evaluate, record metrics, step the scheduler and write checkpoint + logs for a finished epoch."""
+    @property
+    def _metric_key(self) -> str:
+        """The history's key of `eval_metric`: of the EMA weights where there are some (train.py's choice)."""
+        return f"{'ema_' if self.ema is not None else ''}val_{self.cfg.eval_metric}"
+
+    def _evaluate(self, epoch: int, train_metrics: Dict[str, float], since: float) -> bool:
+        """Evaluate the model (and its EMA), add the metrics to the history and reset the training meter; returns
+        whether it is the best evaluation so far. `epoch` in the history is the epoch's index, or with `evaluations`
+        the epochs trained (0.25: a quarter of the first)."""
         if self.distributed:
             distribute_bn(self.model, self.world_size, reduce=True)
-        metrics = dict(epoch=epoch, lr=self._lr(), **train_metrics)
+        position = epoch if self.evaluation_points is None else round(self.num_updates / self.updates_per_epoch, 4)
+        metrics = dict(epoch=position, updates=self.num_updates, images=self.images_seen, lr=self._lr(),
+                       **train_metrics)
         metrics.update({f'val_{k}': v for k, v in self.evaluate().items()})
         if self.ema is not None:
             metrics.update({f'ema_val_{k}': v for k, v in self.evaluate(self.ema.module).items()})
-        metrics['epoch_time_s'] = time.perf_counter() - epoch_start
+        metrics['epoch_time_s'] = time.perf_counter() - since
         self.history.append(metrics)
-        key = f"{'ema_' if self.ema is not None else ''}val_{self.cfg.eval_metric}"  # train.py's choice
-        lower_is_better = self.cfg.eval_metric == 'loss'
+        self._meter.zero_()
+        key, lower_is_better = self._metric_key, self.cfg.eval_metric == 'loss'
         is_best = self.best is None or (metrics[key] < self.best[key] if lower_is_better else
                                         metrics[key] > self.best[key])
         if is_best:
             self.best = dict(metrics)
-        if self.scheduler is not None:
-            self.scheduler.step(epoch + 1, metrics[key])
-        self.epoch, self.update_in_epoch = epoch + 1, 0
-        self.save_checkpoint(f'epoch-{epoch:04d}', is_best=is_best)
+        return is_best
+
+    def _after_evaluation(self, checkpoint: str, is_best: bool) -> None:
+        """Write the checkpoint and the logs of the evaluation just made, and apply the stop rule to it."""
+        self.save_checkpoint(checkpoint, is_best=is_best)
+        metrics = self.history[-1]
         if self.is_primary:
             write_metrics(self.history, self.cfg.output)
             _logger.info(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in metrics.items()))
-        return metrics
+        self.stopped = self._stop_reason()
+        if self.stopped and self.is_primary:
+            _logger.info(f'stopped by the {self.stopped} rule after {self.num_updates} of {self.total_updates} '
+                         f'updates ({self.images_seen} images): {self._metric_key} {metrics[self._metric_key]:.4g}')
+
+    def _stop_reason(self) -> Optional[str]:
+        """'target' where the last evaluation reached `stop_target`, 'plateau' where the last `stop_patience` ones
+        did not better the best before them, else None: a function of the history, so a resumed run agrees."""
+        cfg = self.cfg
+        if not self.history:
+            return None
+        values = [h[self._metric_key] for h in self.history]
+        lower_is_better = cfg.eval_metric == 'loss'
+        if cfg.stop_target is not None and (values[-1] <= cfg.stop_target if lower_is_better else
+                                            values[-1] >= cfg.stop_target):
+            return 'target'
+        best_at = values.index(min(values) if lower_is_better else max(values))
+        if cfg.stop_patience is not None and len(values) - 1 - best_at >= cfg.stop_patience:
+            return 'plateau'
+        return None
+
+    def _end_epoch(self, epoch: int, train_metrics: Dict[str, float], epoch_start: float) -> None:
+        """Evaluate (with `evaluations`: where the epoch's end is one of their points, or the run's), step the
+        scheduler, and write the checkpoint and logs of a finished epoch."""
+        points = self.evaluation_points
+        if points is not None and self.num_updates not in points and epoch + 1 < self.num_epochs:
+            self.epoch, self.update_in_epoch = epoch + 1, 0
+            return
+        checkpoint = f'epoch-{epoch:04d}' if points is None else f'epoch-{epoch:04d}-{self.update_in_epoch:06d}'
+        is_best = self._evaluate(epoch, train_metrics, epoch_start)
+        if self.scheduler is not None:
+            self.scheduler.step(epoch + 1, self.history[-1][self._metric_key])
+        self.epoch, self.update_in_epoch = epoch + 1, 0
+        self._after_evaluation(checkpoint, is_best)
 
     def fit(self) -> TrainResult:
-        """Train from the current state to the last epoch; write the final weights as `<output>/model.safetensors`.
+        """Train from the current state to the run's last update, or until the stop rule ends it (with the plateau
+        rule, the best evaluation's weights are the final ones); write them as `<output>/model.safetensors`.
 
         Raises `TrainingInterrupted` (after writing a checkpoint) on Ctrl-C / SIGTERM, `NonFiniteLossError` on a
         NaN / infinite loss (the last good checkpoint stays the latest one).
@@ -481,26 +583,49 @@ class Trainer:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             atomic_write(os.path.join(self.cfg.output, 'train_config.json'),
                                json.dumps(dataclasses.asdict(self.cfg), indent=2, default=str))
+        self.stopped = self._stop_reason()  # a resumed run whose last evaluation the rule stopped on
         with self._stop_on_signals():
             for epoch in range(self.epoch, self.num_epochs):
+                if self.stopped:
+                    break
                 epoch_start = time.perf_counter()
                 try:
                     train_metrics = self.train_one_epoch(epoch)
                 except (_StopRequested, KeyboardInterrupt) as e:
                     raise TrainingInterrupted(self._save_interrupt_checkpoint(
                         epoch, at_sync_point=isinstance(e, _StopRequested))) from None
+                if self.stopped:
+                    break
                 self._end_epoch(epoch, train_metrics, epoch_start)
-                if epoch + 1 < self.num_epochs and self._sync_check(epoch):  # a stop asked for during evaluation
-                    raise TrainingInterrupted(self.last_checkpoint)
+                if epoch + 1 < self.num_epochs and not self.stopped and self._sync_check(epoch):
+                    raise TrainingInterrupted(self.last_checkpoint)  # a stop asked for during evaluation
+        if self.stopped == 'plateau':
+            self._restore_best()
         weights_file = os.path.join(self.cfg.output, _MODEL_FILE)
         if self.is_primary:
             save_safetensors(self.final_model.state_dict(), weights_file)
         self._barrier()
+        final = self.best if self.stopped == 'plateau' else (self.history[-1] if self.history else {})
         return TrainResult(
             model=self.final_model, model_name=self.cfg.model, model_args=dict(self.model_args),
-            metrics=dict(self.history[-1]) if self.history else {}, best_metrics=dict(self.best or {}),
+            metrics=dict(final), best_metrics=dict(self.best or {}),
             history=list(self.history), output_dir=self.cfg.output, weights_file=weights_file,
-            eval_set=describe_split(self.val_loader.dataset, self.cfg.dataset or self.cfg.data_dir, self.cfg.val_split))
+            eval_set=describe_split(self.val_loader.dataset, self.cfg.dataset or self.cfg.data_dir, self.cfg.val_split),
+            images=self.images_seen, stopped=self.stopped)
+
+    def _restore_best(self) -> None:
+        """Load the weights (and EMA weights) of the best evaluation's checkpoint, `checkpoints/best.json`'s."""
+        self._barrier()  # rank 0 wrote it
+        try:
+            with open(os.path.join(self.checkpoint_dir, 'best.json')) as f:
+                path = os.path.join(self.checkpoint_dir, json.load(f)['checkpoint'])
+            self.model.load_state_dict(load_file(os.path.join(path, _MODEL_FILE)))
+            if self.ema is not None:
+                self.ema.module.load_state_dict(load_file(os.path.join(path, _EMA_FILE)))
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f'the best checkpoint under {self.checkpoint_dir} is unreadable ({e}); its weights '
+                                  'are the run\'s result: resume from a copy of the run folder that holds it.') from e
+        _logger.info(f'the weights of the best evaluation ({path}) are the final ones')
 
     def _save_interrupt_checkpoint(self, epoch: int, at_sync_point: bool) -> Optional[str]:
         """Checkpoint at the last completed update. A raw KeyboardInterrupt can hit any rank anywhere, so then
