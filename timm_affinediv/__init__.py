@@ -18,6 +18,7 @@ from .errors import AffineDivError
 from .hub import HubError, push_to_hub, save_hub_folder
 from .layers import *  # noqa: F403  the layers and their binding (`layers.__all__`)
 from .layers import register
+from .recover import RecoverOptions, RecoveryReport, recover_model
 from .version import __version__
 
 register()

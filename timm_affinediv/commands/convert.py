@@ -5,6 +5,7 @@
     timm-affinediv convert --model local-dir:runs/baseline --output runs/converted
     timm-affinediv convert --model resnet50.a1_in1k --pretrained --dataset '' --data-dir PATH --calib-images 1024 \\
         --eval-images 0 --output runs/resnet50-patchnorm
+    timm-affinediv convert --model local-dir:runs/baseline --output runs/recovered --recover --recover-epochs 0.25
 
 `--dataset` takes what `timm-affinediv finetune` reads: an image folder (`--dataset '' --data-dir PATH`:
 `PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) or timm's `torch/`, `hfds/`, `hfids/`,
@@ -15,11 +16,20 @@ augmentation. The held-out agreement with the original after the fit decides whe
 output, conversion_report.json and the model card give it before and after.
 
 The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
+
+`--recover` goes on to recover accuracy with the labels (`timm_affinediv.recover`): the converted model is fine-tuned
+on the labelled training split with the original as teacher, for a budget of `--recover-epochs` (a fraction is that
+share of the split's images, the schedule spanning exactly it), evaluated on the validation split as it goes and
+stopped at the budget's end, at `--recover-target` or after `--recover-patience` evaluations without a better top-1.
+`--output` is then the run folder: `converted/` (the conversion's Hub folder), the checkpoints and curves,
+recovery_report.json, and `model/`, the recovered model's Hub folder, whose card gives the original's, the converted
+and the recovered top-1 and the images spent. An interrupted recovery continues with the same command and `--resume`.
 """
 import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Optional
 
 import timm_affinediv  # noqa: F401  (registers the layers with timm)
 from timm_affinediv.cli import (
@@ -32,10 +42,14 @@ from timm_affinediv.cli import (
     positive_int,
     refuse_existing_output,
     run_main,
+    unit_interval,
 )
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import CONVERSION_NORMS, ConvertOptions, DistillOptions, FitOptions, ReconstructOptions
+from timm_affinediv.errors import CheckpointError
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, convert_to_folder, load_trained_model
+from timm_affinediv.recover import CONVERTED_FOLDER, REPORT_NAME, RecoverOptions, recover_model
+from timm_affinediv.train import TrainConfig, TrainingInterrupted
 
 
 def add_conversion_args(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +109,59 @@ def convert_options(args: argparse.Namespace) -> ConvertOptions:
         device=args.device, progress=True, seed=args.seed)
 
 
+def top1_percent(text: str) -> float:
+    """A top-1 accuracy in %: a number in (0, 100]."""
+    value = positive_float(text)
+    if value > 100:
+        raise argparse.ArgumentTypeError(f'{text} is not a top-1 in % (a number in (0, 100])')
+    return value
+
+
+def add_recovery_args(parser: argparse.ArgumentParser) -> None:
+    """ The recovery's flags (`RecoverOptions`, and the run's data and machine), in their own group."""
+    r = RecoverOptions
+    group = parser.add_argument_group('recovery with labels after the conversion (RecoverOptions)')
+    group.add_argument('--recover', action='store_true',
+                       help='fine-tune the converted model on the labelled training split with the original as '
+                            'teacher; --output is then the run folder (converted/, checkpoints, model/)')
+    group.add_argument('--recover-epochs', type=positive_float, default=r.epochs,
+                       help="the budget in epochs of the training split (0.25: a quarter of its images)")
+    group.add_argument('--recover-evaluations', type=positive_int, default=r.evaluations,
+                       help='held-out evaluations spread evenly over the budget, the last at its end')
+    group.add_argument('--recover-patience', type=non_negative_int, default=r.patience,
+                       help='stop after this many evaluations without a better held-out top-1, keeping the best '
+                            '(0: never)')
+    group.add_argument('--recover-target', type=top1_percent, metavar='TOP1',
+                       help='stop at the first evaluation whose held-out top-1 (%%) reaches this')
+    group.add_argument('--recover-lr', type=positive_float, default=r.lr, help="the optimiser's peak learning rate")
+    group.add_argument('--recover-warmup', type=unit_interval, default=r.warmup,
+                       help='the fraction of the budget the learning rate warms up over (then a cosine to 0)')
+    group.add_argument('--recover-batch-size', type=positive_int, default=r.batch_size)
+    group.add_argument('--recover-distill-weight', type=unit_interval, default=r.distill_weight,
+                       help="the weight of the original's logits in the loss (the rest: the labels')")
+    group.add_argument('--recover-temperature', type=positive_float, default=r.distill_temperature,
+                       help="the distillation's temperature")
+    group.add_argument('--recover-train-images', type=positive_int, metavar='N',
+                       help='train on a fixed random N of the training split (the budget is in epochs of them)')
+    group.add_argument('--recover-val-images', type=positive_int, metavar='N',
+                       help='the held-out top-1 on a fixed random N of the validation split (default: all of it)')
+    group.add_argument('--workers', type=non_negative_int, default=TrainConfig.workers,
+                       help='data loading processes of the recovery')
+    group.add_argument('--resume', action='store_true',
+                       help='continue the interrupted recovery of --output (its converted/ and checkpoints)')
+
+
+def recover_options(args: argparse.Namespace) -> RecoverOptions:
+    """`RecoverOptions` of `add_recovery_args`' flags, checked."""
+    options = RecoverOptions(
+        epochs=args.recover_epochs, evaluations=args.recover_evaluations, patience=args.recover_patience or None,
+        target_top1=args.recover_target, lr=args.recover_lr, warmup=args.recover_warmup,
+        batch_size=args.recover_batch_size, distill_weight=args.recover_distill_weight,
+        distill_temperature=args.recover_temperature, seed=args.seed)
+    options.validate()
+    return options
+
+
 def main(argv=None) -> int:
     parser = command_parser('convert', __doc__)
     add_model_args(parser, help={'--num-classes': 'classes of the checkpoint (timm model name only)',
@@ -106,25 +173,55 @@ def main(argv=None) -> int:
     parser.add_argument('--output', required=True, help='the Hub-format folder to write')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     add_conversion_args(parser)
+    add_recovery_args(parser)
     args = parser.parse_args(argv)
-    if not args.overwrite:
+    if args.resume and not args.recover:
+        parser.error('--resume continues an interrupted recovery: add --recover')
+    options = recover_options(args) if args.recover else None
+    folder = Path(args.output) / CONVERTED_FOLDER if args.recover else Path(args.output)
+    if args.resume and not (folder / 'config.json').is_file():
+        raise CheckpointError(f'{args.output} holds no converted model ({folder}/config.json) to resume the recovery '
+                              'of: run the command without --resume to convert and recover anew.')
+    if not args.overwrite and not args.resume:
         refuse_existing_output(args.output)
     logging.basicConfig(level=logging.INFO, format='%(message)s')
 
     model = load_trained_model(args.model, args.checkpoint, pretrained=args.pretrained, **create_model_kwargs(args))
-    converted, report, metrics = convert_to_folder(
-        model, args.output, norm=args.norm, dataset=args.dataset, data_dir=args.data_dir,
-        calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
-        heldout_images=args.heldout_images, distill_images=args.distill_images, eval_images=args.eval_images,
-        options=convert_options(args),
-        base_model=args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
-            model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None),
-        overwrite=args.overwrite, **args.model_kwargs)
-    print(report.format_table())
+    base_model = args.model[len('hf-hub:'):] if args.model.startswith('hf-hub:') else (
+        model.pretrained_cfg.get('hf_hub_id') if args.pretrained else None)
+    if args.resume:
+        converted = load_trained_model(f'local-dir:{folder}')
+    else:
+        converted, report, metrics = convert_to_folder(
+            model, str(folder), norm=args.norm, dataset=args.dataset, data_dir=args.data_dir,
+            calib_batches=args.calib_batches, batch_size=args.batch_size, calib_images=args.calib_images,
+            heldout_images=args.heldout_images, distill_images=args.distill_images, eval_images=args.eval_images,
+            options=convert_options(args), base_model=base_model, overwrite=args.overwrite, **args.model_kwargs)
+        print(report.format_table())
+        print(report.describe())
+        if 'converted' in metrics:
+            print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
+        print(f'wrote {folder.resolve()} (conversion_report.json beside the weights)')
+    return _recover(args, model, converted, options, base_model) if options else 0
+
+
+def _recover(args: argparse.Namespace, model, converted, options: RecoverOptions, base_model: Optional[str]) -> int:
+    """The recovery after the conversion; 130 where it was interrupted (after a checkpoint)."""
+    train = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, train_subset=args.recover_train_images,
+                        val_subset=args.recover_val_images, workers=args.workers,
+                        device=None if args.device == 'auto' else args.device, output=args.output,
+                        resume=args.output if args.resume else None)
+    try:
+        _, report = recover_model(
+            model, converted, options, train=train, base_model=base_model,
+            base_model_description=f'converted to PatchNorm ({Path(args.output) / CONVERTED_FOLDER}), then '
+                                   'fine-tuned with labels and the original as teacher')
+    except TrainingInterrupted as e:
+        print(f'{e}; continue with the same command and --resume', file=sys.stderr)
+        return 130
     print(report.describe())
-    if 'converted' in metrics:
-        print(f"top-1: original {metrics['original']['top1']:.2f}%, converted {metrics['converted']['top1']:.2f}%")
-    print(f'wrote {Path(args.output).resolve()} (conversion_report.json beside the weights)')
+    print(f"wrote {(Path(args.output) / 'model').resolve()} ({REPORT_NAME} beside the weights and in "
+          f'{Path(args.output).resolve()})')
     return 0
 
 

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+""" Recovery with labels after the conversion, for every README family, measured on Fashion-MNIST at 32x32: top-1 on
+the test images of the original, of its conversion and of the model `recover_model` makes from that conversion after
+each budget (1/8, 1/4, 1/2 and 1 epoch of the original's training images, each its own finished schedule from the
+same converted model, by the recipe of `RecoverOptions`), the images spent, and PatchNorm trained from scratch by the
+original's recipe on as many images and on the original's whole budget.
+
+The originals are those of `measure_family_conversion.py` (the same recipes, kept under --runs: a model trained there
+is not trained again), converted with `convert_model`'s defaults on the images `timm-affinediv convert` reads. The
+recovery trains on the original's training images (the recipe's fixed random subset of the training split) and
+evaluates on the test images only at the end of its budget (`--recover-kwargs evaluations=1 patience=None` are the
+defaults here: the top-1 is that of a finished schedule, and no choice is made on the test images). Each row is
+appended to --json as a JSON line as soon as it is measured; a row already there (same model, recipe, budget,
+images and options) is not measured again, so a sweep stopped part-way continues where it stopped. Without --quick,
+the sweep is every family, both recipes and the four budgets (hours on a CPU): the lead runs it, e.g. with
+--json runs/family-recovery.jsonl. --quick is one narrow ResNet-18 on 128 training and 64 test images, two budgets
+(seconds), to check the script.
+
+    python scripts/measure_family_recovery.py --quick --json runs/recovery-quick.jsonl
+"""
+import copy
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import timm
+import torch
+from measure_family_conversion import RECIPES, Recipe, _kwargs_text, _optimizer, _predictions, _step, _tensors, train
+from paper.models import FAMILIES
+from safetensors.torch import save_file
+from timm.utils import ParseKwargs
+
+import timm_affinediv  # noqa: F401
+from timm_affinediv.cli import non_negative_int, positive_float, positive_int, run_main
+from timm_affinediv.commands import command_parser
+from timm_affinediv.convert import ConvertOptions, convert_model
+from timm_affinediv.data import resolve_dataset_data_config
+from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
+from timm_affinediv.recover import RecoverOptions, recover_model
+from timm_affinediv.train import TrainConfig
+
+BUDGETS = (0.125, 0.25, 0.5, 1.0)
+#: `RecoverOptions` of the measurement over the defaults: one evaluation, at the budget's end, and no stop rule
+MEASURED = dict(evaluations=1, patience=None)
+QUICK = dict(models=['resnet18'], recipes=['adamw'], budgets=[0.5, 1.0], epochs=1, train_images=128,
+             calib_batches=2, heldout_images=64, distill_images=128, test_images=64)
+
+
+def train_scratch(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, images: int, seed: int = 0) -> None:
+    """`name` with `norm_layer='patchnorm'` trained from scratch by `recipe`'s optimiser and schedule (spanning the
+    run) on `images` of the original's training images: passes over them, each in a new random order."""
+    x, y = _tensors('train', recipe.images)
+    torch.manual_seed(seed)
+    model = timm.create_model(name, num_classes=10, in_chans=1, norm_layer='patchnorm', **kwargs)
+    steps = max(1, images // recipe.batch_size)
+    optimizer, schedule = _optimizer(model, recipe, steps)
+    order = torch.cat([torch.randperm(len(x)) for _ in range(math.ceil(steps * recipe.batch_size / len(x)))])
+    model.train()
+    for i in range(steps):
+        batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
+        _step(model, optimizer, schedule, x[batch], y[batch])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(model.state_dict(), str(path))
+
+
+def scratch_top1(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, images: int, args) -> float:
+    """Test top-1 (%) of PatchNorm trained from scratch on `images` images (`train_scratch`), kept under --runs."""
+    path = Path(args.runs) / recipe_name / f'{name}-patchnorm-{images}-of-{recipe.images}' / 'model.safetensors'
+    if not path.is_file():
+        train_scratch(name, kwargs, path, recipe, images)
+    model = load_trained_model(name, checkpoint=str(path), num_classes=10, in_chans=1, norm_layer='patchnorm',
+                               **kwargs)
+    x, y = _tensors('validation', args.test_images)
+    return (_predictions(model, x) == y).float().mean().item() * 100
+
+
+def converted_model(original: torch.nn.Module, args) -> torch.nn.Module:
+    """The conversion of `original` by `convert_model` on the images `timm-affinediv convert` reads."""
+    cfg = resolve_dataset_data_config('fashion-mnist', original, in_chans=1)
+    options = ConvertOptions().updated(args.convert_kwargs)
+    images = conversion_images('fashion-mnist', None, cfg, 64, calib_images=args.calib_batches * 64,
+                               heldout_images=args.heldout_images, distill_images=args.distill_images,
+                               seed=options.seed)
+    converted, _ = convert_model(original, calibration=images.calibration, heldout=images.heldout or None,
+                                 distill_data=images.distill, options=options)
+    return converted
+
+
+def row_key(row: Dict[str, Any]) -> tuple:
+    """What makes two rows the same measurement."""
+    return tuple(json.dumps(row[k], sort_keys=True) for k in (
+        'model', 'model_kwargs', 'recipe', 'budget', 'train_images', 'original_epochs', 'test_images', 'options',
+        'convert_options'))
+
+
+def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, budgets: List[float], done: set,
+            args) -> List[Dict[str, Any]]:
+    """The rows of one original not in `done`: its conversion, recovered after each budget, beside PatchNorm from
+    scratch; each appended to --json as it is measured."""
+    options = {**MEASURED, **args.recover_kwargs}
+    base = dict(model=name, model_kwargs=_kwargs_text(kwargs), recipe=recipe_name, train_images=recipe.images,
+                original_epochs=recipe.epochs, test_images=args.test_images, options=options,
+                convert_options=args.convert_kwargs)
+    todo = [b for b in budgets if row_key(dict(base, budget=b)) not in done]
+    if not todo:
+        return []
+    checkpoint = Path(args.runs) / recipe_name / name / 'model.safetensors'
+    if not checkpoint.is_file():
+        train(name, kwargs, checkpoint, recipe)
+    original = load_trained_model(name, checkpoint=str(checkpoint), num_classes=10, in_chans=1, **kwargs)
+    converted = converted_model(original, args)
+    full = scratch_top1(name, kwargs, recipe_name, recipe, recipe.epochs * recipe.images, args)
+    rows = []
+    for budget in todo:
+        start = time.perf_counter()
+        train_cfg = TrainConfig(dataset='fashion-mnist', train_subset=recipe.images, val_subset=args.test_images,
+                                workers=args.workers, progress=False,
+                                output=str(Path(args.output) / recipe_name / name / f'epochs-{budget:g}'))
+        _, report = recover_model(original, copy.deepcopy(converted), RecoverOptions(epochs=budget, **options),
+                                  train=train_cfg)
+        row = dict(base, budget=budget, images=report.images, original=report.original_top1,
+                   converted=report.converted_top1, recovered=report.recovered_top1, stopped=report.stopped,
+                   scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, args), scratch_full=full,
+                   seconds=time.perf_counter() - start)
+        rows.append(row)
+        print(table_row(row), file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, 'a') as f:
+                f.write(json.dumps(row) + '\n')
+    return rows
+
+
+def table_row(m: Dict[str, Any]) -> str:
+    label = f"`{m['model']}`" + (f" ({m['model_kwargs']})" if m['model_kwargs'] else '')
+    return (f"| {label} | {m['recipe']} | {m['budget']:g} | {m['images']} | {m['original']:.2f} | "
+            f"{m['converted']:.2f} | **{m['recovered']:.2f}** | {m['recovered'] - m['original']:+.2f} | "
+            f"{m['scratch']:.2f} | {m['scratch_full']:.2f} |")
+
+
+def read_rows(path: Optional[str]) -> List[Dict[str, Any]]:
+    if not path or not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def main(argv=None) -> int:
+    parser = command_parser('measure_family_recovery', __doc__, prog='scripts/measure_family_recovery.py')
+    parser.add_argument('--models', nargs='+', default=list(FAMILIES), help='timm model names (default: every family)')
+    parser.add_argument('--recipes', nargs='+', default=list(RECIPES), choices=list(RECIPES),
+                        help="how the originals are trained (measure_family_conversion's recipes; default: both)")
+    parser.add_argument('--model-kwargs', nargs='*', default=None, action=ParseKwargs,
+                        help="the model's arguments (default: the family's model in FAMILIES)")
+    parser.add_argument('--budgets', type=positive_float, nargs='+', default=list(BUDGETS),
+                        help="the recovery's budgets, in epochs of the original's training images")
+    parser.add_argument('--runs', default='runs/family-conversion',
+                        help='where the trained originals (shared with measure_family_conversion) and the PatchNorm '
+                             'models trained from scratch are kept')
+    parser.add_argument('--output', default='runs/family-recovery', help="the recovery runs' folders")
+    parser.add_argument('--epochs', type=positive_int, help="the recipes' epochs (default: each recipe's)")
+    parser.add_argument('--train-images', type=positive_int, help="the recipes' images (default: each recipe's)")
+    parser.add_argument('--calib-batches', type=positive_int, default=32)
+    parser.add_argument('--heldout-images', type=non_negative_int, default=HELDOUT_IMAGES)
+    parser.add_argument('--distill-images', type=non_negative_int, default=DISTILL_IMAGES)
+    parser.add_argument('--test-images', type=positive_int, default=10000)
+    parser.add_argument('--convert-kwargs', nargs='*', default={}, action=ParseKwargs,
+                        help='ConvertOptions over their defaults, by dotted names (e.g. distill.epochs=0)')
+    parser.add_argument('--recover-kwargs', nargs='*', default={}, action=ParseKwargs,
+                        help=f'RecoverOptions over their defaults and {MEASURED} (e.g. lr=1e-4 distill_weight=0.7)')
+    parser.add_argument('--workers', type=non_negative_int, default=0, help="the recovery's data loading processes")
+    parser.add_argument('--quick', action='store_true',
+                        help=f'a check of the script in seconds: {QUICK}, originals and runs under --output')
+    parser.add_argument('--json', help='append each row as a JSON line to this file; rows there are not measured again')
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK, runs=str(Path(args.output) / 'originals'))
+    wrong = sorted(set(args.recover_kwargs) - {f.name for f in dataclasses.fields(RecoverOptions)} | (
+        {'epochs'} & set(args.recover_kwargs)))
+    if wrong:
+        parser.error(f"--recover-kwargs: {', '.join(wrong)} is not a RecoverOptions field set here (the budget is "
+                     '--budgets)')
+    done = {row_key(r) for r in read_rows(args.json)}
+    rows = []
+    for recipe_name in args.recipes:
+        recipe = dataclasses.replace(RECIPES[recipe_name], epochs=args.epochs or RECIPES[recipe_name].epochs,
+                                     images=args.train_images or RECIPES[recipe_name].images)
+        for name in args.models:
+            kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
+            rows += measure(name, kwargs, recipe_name, recipe, args.budgets, done, args)
+    print('| model | recipe | budget (epochs) | images | original top-1 | converted | recovered | change | PatchNorm '
+          'from scratch, same images | PatchNorm from scratch, whole budget |')
+    print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+    print('\n'.join(table_row(r) for r in rows))
+    print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(run_main(main))

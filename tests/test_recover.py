@@ -1,0 +1,197 @@
+"""Recovery with labels after the conversion (`timm_affinediv.recover`, `convert --recover`): the budget and its
+schedule, the stop rule, exact resume, the report and the card, the command line and the measurement script, on a
+narrow ResNet-18 and a few hundred Fashion-MNIST images."""
+import copy
+import dataclasses
+import json
+import math
+import os
+import signal
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+
+import timm_affinediv.recover as recover
+from timm_affinediv import RecoverOptions, convert_model, recover_model
+from timm_affinediv.commands import main as command
+from timm_affinediv.data import FASHION_MNIST_DIR, create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.train import TrainConfig, TrainingInterrupted
+
+TINY = dict(channels=(16, 32, 64, 128), stem_width=16)
+
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(FASHION_MNIST_DIR, 'train-images-idx3-ubyte.gz')),
+    reason='Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)')
+
+
+@pytest.fixture(scope='module')
+def models():
+    """A narrow BatchNorm ResNet-18 and its PatchNorm conversion on 64 training images."""
+    torch.manual_seed(0)
+    original = timm.create_model('resnet18', num_classes=10, in_chans=1, **TINY).eval()
+    cfg = resolve_dataset_data_config('fashion-mnist', original, in_chans=1)
+    batches = [x for x, _ in create_eval_loader('fashion-mnist', None, cfg, 32, split='train', subset=64, workers=0)]
+    converted, _ = convert_model(original, calibration=batches)
+    return original, converted
+
+
+def run(models, output, **options):
+    """`recover_model` on 256 training images (8 updates an epoch) and 128 held-out ones, batch 32."""
+    original, converted = models
+    train = TrainConfig(train_subset=256, val_subset=128, workers=0, progress=False, output=str(output))
+    settings = dict(batch_size=32, warmup=0., patience=None)
+    return recover_model(copy.deepcopy(original), copy.deepcopy(converted), RecoverOptions(**{**settings, **options}),
+                         train=train)
+
+
+def test_half_an_epoch_runs_its_images_on_a_schedule_spanning_them_and_reports_them(models, tmp_path):
+    """epochs=0.5 of 8 updates an epoch: 4 updates, 128 images, a cosine from the peak to 0 at the 4th update; the
+    report (run folder and Hub folder) and the card give the three top-1s and the images."""
+    _, report = run(models, tmp_path, epochs=0.5, evaluations=4, lr=1e-3)
+    assert (report.images, report.budget_images, report.stopped, report.kept_images) == (128, 128, 'budget', 128)
+    assert [p['images'] for p in report.curve] == [32, 64, 96, 128]
+    assert [p['lr'] for p in report.curve] == pytest.approx([1e-3 * (1 + math.cos(math.pi * k / 4)) / 2
+                                                             for k in range(1, 5)], abs=1e-12)
+    assert report.recovered_top1 == report.curve[-1]['top1']
+    saved = json.loads((tmp_path / 'recovery_report.json').read_text())
+    assert saved == json.loads((tmp_path / 'model' / 'recovery_report.json').read_text()) == report.to_dict()
+    assert saved['options']['epochs'] == 0.5
+    card = (tmp_path / 'model' / 'README.md').read_text()
+    for line in (f'| original | {report.original_top1:.2f} |',
+                 f'| converted (no labels) | {report.converted_top1:.2f} |',
+                 f'| recovered (128 training images) | {report.recovered_top1:.2f} |'):
+        assert line in card
+    assert 'after 128 of 128 training images, stopped at the end of its budget' in ' '.join(card.split())
+
+
+def test_target_stops_at_the_first_evaluation_that_reaches_it(models, tmp_path):
+    _, report = run(models, tmp_path, epochs=0.5, evaluations=4, target_top1=0.5)
+    assert (report.stopped, len(report.curve), report.images, report.kept_images) == ('target', 1, 32, 32)
+    assert 'stopped on reaching the target top-1' in report.describe()
+
+
+def test_plateau_stops_and_returns_the_best_evaluations_weights(models, tmp_path):
+    """A learning rate too small to change a prediction: the second evaluation does not better the first, so the
+    run stops there (patience 1) and returns the first one's weights."""
+    model, report = run(models, tmp_path, epochs=0.5, evaluations=4, patience=1, lr=1e-12)
+    assert (report.stopped, len(report.curve), report.images, report.kept_images) == ('plateau', 2, 64, 32)
+    assert report.recovered_top1 == report.curve[0]['top1'] == report.curve[1]['top1']
+    best = load_file(str(tmp_path / 'checkpoints' / 'epoch-0000-000001' / 'model.safetensors'))
+    assert all(torch.equal(v.cpu(), best[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, best[k]) for k, v in load_file(str(tmp_path / 'model' / 'model.safetensors')).items())
+
+
+class _InterruptedTrainer(recover.Trainer):
+    """The trainer, with SIGINT sent to this process after its 3rd optimiser update (as Ctrl-C would)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        step, count = self.optimizer.step, [0]
+
+        def step_then_interrupt(*a, **k):
+            result = step(*a, **k)
+            count[0] += 1
+            if count[0] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return result
+        self.optimizer.step = step_then_interrupt
+
+
+def test_resume_after_an_interrupt_gives_the_uninterrupted_result(models, tmp_path, monkeypatch):
+    """6 updates, evaluated after the 2nd, 4th and 6th; interrupted after the 3rd and resumed: the same weights, bit
+    for bit, and the same report."""
+    options = dict(epochs=0.75, evaluations=3)
+    full_model, full = run(models, tmp_path / 'full', **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(recover, 'Trainer', _InterruptedTrainer)
+        with pytest.raises(TrainingInterrupted):
+            run(models, tmp_path / 'cut', **options)
+    assert not (tmp_path / 'cut' / 'model').exists()
+    original, converted = models
+    train = TrainConfig(train_subset=256, val_subset=128, workers=0, progress=False, output=str(tmp_path / 'cut'),
+                        resume=str(tmp_path / 'cut'))
+    resumed_model, resumed = recover_model(
+        copy.deepcopy(original), copy.deepcopy(converted),
+        RecoverOptions(batch_size=32, warmup=0., patience=None, **options), train=train)
+    assert resumed.curve == full.curve and resumed.images == full.images == 192
+    assert (resumed.original_top1, resumed.converted_top1) == (full.original_top1, full.converted_top1)
+    full_weights = full_model.state_dict()
+    assert all(torch.equal(v, full_weights[k]) for k, v in resumed_model.state_dict().items())
+
+
+def test_options_refuse_values_that_cannot_work():
+    from timm_affinediv.errors import AffineDivError
+    for bad in (dict(epochs=0), dict(target_top1=101), dict(patience=0), dict(warmup=1.)):
+        with pytest.raises(AffineDivError, match=next(iter(bad)).split('_')[0]):
+            RecoverOptions(**bad).validate()
+
+
+@pytest.fixture
+def checkpoint(models, tmp_path):
+    path = tmp_path / 'original.safetensors'
+    save_file(models[0].state_dict(), str(path))
+    return path
+
+
+def _convert_args(checkpoint, output):
+    return ['convert', '--model', 'resnet18', '--checkpoint', str(checkpoint), '--num-classes', '10', '--in-chans',
+            '1', '--model-kwargs', 'channels=(16,32,64,128)', 'stem_width=16', '--calib-images', '64', '-b', '32',
+            '--heldout-images', '0', '--distill-images', '0', '--eval-images', '64', '--device', 'cpu', '--output',
+            str(output), '--recover', '--recover-epochs', '0.5', '--recover-train-images', '256',
+            '--recover-val-images', '64', '--recover-batch-size', '32', '--recover-evaluations', '2', '--workers', '0']
+
+
+def test_convert_recover_command_and_its_resume(checkpoint, tmp_path, capsys):
+    """`convert --recover`: the conversion's folder, the run and the recovered Hub folder in --output; `--resume`
+    reads the conversion back and finishes the run where it stands."""
+    out = tmp_path / 'out'
+    assert command(_convert_args(checkpoint, out)) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / 'recovery_report.json').read_text())
+    assert (out / 'converted' / 'conversion_report.json').is_file() and (out / 'model' / 'config.json').is_file()
+    assert report['images'] == 128 and [p['images'] for p in report['curve']] == [64, 128]
+    assert report['options']['distill_weight'] == RecoverOptions.distill_weight
+    assert f"recovered {report['recovered_top1']:.2f}% after 128 of 128 training images" in printed
+    converted = (out / 'converted' / 'model.safetensors').read_bytes()
+    assert command([*_convert_args(checkpoint, out), '--resume']) == 0
+    assert json.loads((out / 'recovery_report.json').read_text())['curve'] == report['curve']
+    assert (out / 'converted' / 'model.safetensors').read_bytes() == converted
+    assert 'conversion_report.json beside the weights' not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv, message', [
+    (('--resume',), '--resume continues an interrupted recovery: add --recover'),
+    (('--recover', '--resume'), 'holds no converted model'),
+    (('--recover', '--recover-target', '150'), 'argument --recover-target: 150 is not a top-1 in %'),
+    (('--recover', '--recover-epochs', '0'), 'argument --recover-epochs: 0 is not a number > 0'),
+])
+def test_convert_recover_bad_input_is_one_line(argv, message, tmp_path, capsys):
+    try:
+        status = command(['convert', '--model', 'resnet18', '--output', str(tmp_path / 'out'), *argv])
+    except SystemExit as e:  # argparse
+        status = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not (tmp_path / 'out').exists()
+
+
+def test_fractional_epochs_need_an_update_stepped_schedule(tmp_path):
+    from timm_affinediv.train import ConfigError
+    with pytest.raises(ConfigError, match='--sched-on-updates'):
+        dataclasses.replace(TrainConfig(output=str(tmp_path)), epochs=0.5, sched_on_updates=False).validate()
+
+
+def test_measurement_script_quick_appends_rows_and_skips_measured_ones(run_script, tmp_path):
+    rows = tmp_path / 'rows.jsonl'
+    args = ('--quick', '--output', str(tmp_path / 'runs'), '--json', str(rows))
+    first = run_script('measure_family_recovery', *args, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    measured = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [(r['budget'], r['images']) for r in measured] == [(0.5, 64), (1.0, 128)]
+    assert all(0 <= r[k] <= 100 for r in measured for k in ('original', 'converted', 'recovered', 'scratch',
+                                                             'scratch_full'))
+    again = run_script('measure_family_recovery', *args, timeout=300)
+    assert again.returncode == 0 and '0 rows measured, 2 already in' in again.stdout, again.stderr[-3000:]
+    assert len(rows.read_text().splitlines()) == 2
