@@ -17,7 +17,8 @@ from timm.models._hub import download_from_hf
 
 from .errors import HubError, MissingFileError
 
-__all__ = ['WEIGHTS_NAME', 'CONFIG_NAME', 'check_folder', 'read_config', 'check_labels', 'check_weights_file']
+__all__ = ['WEIGHTS_NAME', 'CONFIG_NAME', 'check_folder', 'read_config', 'check_labels', 'missing_weights',
+           'check_weights_file']
 
 WEIGHTS_NAME = 'model.safetensors'
 CONFIG_NAME = 'config.json'
@@ -76,12 +77,17 @@ def check_labels(config: Mapping[str, Any], source: str) -> None:
             f'would label the outputs with the wrong names. Give one name per output in config.json, or {_WRITE_AGAIN}')
 
 
+def missing_weights(source: str) -> HubError:
+    """The refusal of a plugin folder (``source``: its path or ``hf-hub:`` name) without ``model.safetensors``."""
+    return HubError(f'{source} has no {WEIGHTS_NAME}: a timm-affinediv Hub folder keeps its weights there, and pickled '
+                    f'weights (pytorch_model.bin) are never loaded, since they can run code: {_WRITE_AGAIN}')
+
+
 def check_weights_file(path: Path) -> None:
     """Refuse a missing `model.safetensors`, or one that is not a complete safetensors file (a cut-short download:
     safetensors checks that its header is whole and its tensors cover the file exactly)."""
     if not path.is_file():
-        raise HubError(f'{path.parent} has no {WEIGHTS_NAME}: a timm-affinediv Hub folder keeps its weights there, and '
-                       f'pickled weights (pytorch_model.bin) are never loaded, since they can run code: {_WRITE_AGAIN}')
+        raise missing_weights(str(path.parent))
     try:
         with safetensors.safe_open(path, framework='pt'):
             pass

@@ -40,7 +40,7 @@ from timm.models import model_entrypoint, register_model
 from timm.models._hub import download_from_hf
 from torch import nn
 
-from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_file, read_config
+from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_file, missing_weights, read_config
 from ._io import atomic_dir, save_safetensors
 from ._state_dict import check_finite, describe_mismatch
 from ._timm_compat import get_model_input_config, save_config_for_hf
@@ -118,8 +118,7 @@ def _load_folder(arch: str, pretrained_cfg: dict, kwargs: dict) -> nn.Module:
         try:  # in the cache, timm's own download of the weights reads this file
             weights = Path(download_from_hf(pretrained_cfg['hf_hub_id'], WEIGHTS_NAME))
         except RemoteEntryNotFoundError as e:
-            raise HubError(f'{source} has no {WEIGHTS_NAME}: a timm-affinediv Hub folder keeps its weights there, and '
-                           'pickled weights (pytorch_model.bin) are never loaded, since they can run code.') from e
+            raise missing_weights(source) from e
     check_labels(pretrained_cfg, source)
     check_weights_file(weights)
     build = model_entrypoint(arch)
