@@ -9,9 +9,10 @@ ATen's `autocast_mode.h`, installed over the CPU's autocast kernels: `CudaAutoca
 every ATen operation below autograd; the custom ops of the Triton path run their bodies, whose launchers record
 each Triton launch with its arguments (their values come from the kernels' torch twins, which are not priced).
 
-What a launch moves: each tensor argument it reads once and each output once, as many bytes as its view's elements
-(a broadcast dimension counts once; a view whose innermost stride is not 1 costs whole 32-byte sectors). A view or
-an allocation launches nothing. An in-place operation reads and writes its tensor. Operations that CUDA runs as
+What a launch moves (an ATen operation's launches, bytes and FLOPs are its rule in `RULES`, one an operation): each
+tensor argument it reads once and each output once, as many bytes as its view's elements (a broadcast dimension
+counts once; a view whose innermost stride is not 1 costs whole 32-byte sectors). A view or an allocation launches
+nothing. An in-place operation reads and writes its tensor. Operations that CUDA runs as
 several kernels are priced as those kernels: BatchNorm's statistics, update and transform passes and its backward's
 reduce and elementwise passes; a convolution's backward as its data-gradient and weight-gradient GEMMs; LayerNorm's
 backward as its input-gradient and parameter-gradient kernels; a foreach update as one launch per 48 tensors. A k x k
@@ -22,7 +23,8 @@ Time of a launch: max(bytes / (bandwidth x fraction), FLOPs / (peak x fraction),
 per-launch floor; a step's GPU time is their sum. The CPU issues the launches ahead of the GPU (no synchronisation
 inside a step), so a step takes the longer of the GPU's sum and the CPU's (a per-operation cost, see `CPU_COSTS`).
 Every parameter and its source is in `GPUS`, `FRACTIONS` and `CPU_COSTS`; `--calibration` sets the torch path's
-predicted ratios beside the H200 measurements (docs/performance.md). Every figure it prints is predicted.
+predicted ratios beside the H200 measurements (scripts/data/h200-2026-12-04, with how they were taken; the results in
+docs/performance.md). Every figure it prints is predicted, but for those measurements.
 
     python scripts/gpu_model.py                                 # resnet50, convnext_tiny: H100 and H200, CL and NCHW
     python scripts/gpu_model.py --models resnet50 --gpus h200 --layouts channels_last --json model.json
@@ -31,8 +33,11 @@ predicted ratios beside the H200 measurements (docs/performance.md). Every figur
 import collections
 import contextlib
 import dataclasses
+import functools
 import json
 import math
+import pathlib
+import statistics
 import sys
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -41,13 +46,24 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
 from timm_affinediv._io import atomic_write
+from timm_affinediv._torch_compat import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    custom_op_body,
+    custom_op_overload,
+    destroy_library,
+    dispatch_key_excluded,
+    has_kernel,
+    is_view,
+    lookup_device_info,
+    op_schema,
+    ops_with_kernel,
+    tree_flatten,
+)
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
 
@@ -70,9 +86,8 @@ class Gpu:
 
 
 def _hopper(name: str, bandwidth: float, source: str) -> Gpu:
-    """An SXM Hopper: torch's datasheet row of the H100 (`torch._inductor.analysis.device_info`, whose tensor-core
-    figures are with 2:4 sparsity: halved here) and 132 SMs at 1.98 GHz, with the card's HBM bandwidth."""
-    from torch._inductor.analysis.device_info import lookup_device_info
+    """An SXM Hopper: torch's datasheet row of the H100 (inductor's `device_info`, whose tensor-core figures are
+    with 2:4 sparsity: halved here) and 132 SMs at 1.98 GHz, with the card's HBM bandwidth."""
     row = lookup_device_info('NVIDIA H100')
     dense = 1. / row.tops_sparsity_factor
     return Gpu(name, bandwidth, row.tops[torch.bfloat16] * dense * 1e12, row.tops['torch.tf32'] * dense * 1e12,
@@ -87,7 +102,7 @@ GPUS: Dict[str, Gpu] = {
 }
 
 #: The fraction of a peak each kind of kernel reaches (`engine` of a launch): bytes at `bandwidth x fraction`,
-#: FLOPs at `peak x fraction`.
+#: FLOPs at `peak x fraction`. "The H200 profile(s)": `prof_*.txt` in `H200_DATA`.
 FRACTIONS: Dict[str, Tuple[float, str]] = {
     'stream': (0.9, (
         "vectorised elementwise kernels (all operands in one layout): 89.7% of spec for quack's softmax on an "
@@ -143,8 +158,8 @@ FRACTIONS: Dict[str, Tuple[float, str]] = {
         'batched products of 1 x K by K x 1 matrices (row dot products): aten::bmm, 167-177 us a call in the '
         'patchnorm profiles')),
     'triton': (0.85, (
-        'the fused kernels (not yet run on a GPU): the bar of docs/gpu-kernels.md, 85% of bandwidth, an '
-        'assumption until measured')),
+        'the fused kernels (not yet run on a GPU): the bar set for them (docs/performance.md), 85% of bandwidth, '
+        'an assumption until measured')),
     'issue': (0.5, (
         'instruction issue of the fused kernels: half of one instruction a scheduler per clock (loads, '
         'integer index arithmetic and masks share the issue slots), an assumption')),
@@ -155,27 +170,41 @@ FLOOR_S = 3e-6  # a launch's own cost on the GPU: ~1 us the shortest kernel, ~2 
 #: CPU time per operation (s) where it differs from `default`, from the H200 profile's CPU time per call (with the
 #: profiler's own cost in it) and the sources named.
 CPU_COSTS: Dict[str, float] = {
-    'default': 10e-6,  # an ATen op with autograd on: 5-10 us (pytorch issue 41383); 12-20 us a call in the profile
+    'default': 10e-6,  # an ATen op with autograd on: 5-10 us (pytorch/pytorch#41383); 12-20 us a call in the profile
     'convolution': 52e-6,  # aten::cudnn_convolution, 52 us a call (cuDNN's plan lookup)
     'convolution_backward': 125e-6,  # 125 us a call
     'native_batch_norm': 92e-6,  # 92 us a call
     'native_batch_norm_backward': 97e-6,  # 97 us a call
     'custom_op': 30e-6,  # a torch.library custom op called from Python (autograd Function, Python kernel): assumed
-    'triton_launch': 5.6e-6,  # Triton's launcher, 4.7-5.6 us a kernel (meta-pytorch/tritonbench PR 1017)
+    'triton_launch': 5.6e-6,  # Triton's launcher, 4.7-5.6 us a kernel (meta-pytorch/tritonbench#1017)
 }
 
-#: The measured figures the model is checked against: H200, torch 2.11, bf16 autocast, 224 px, batch 128 train /
-#: 256 inference, eager, the torch path (/work/shared/data/h200-2026-12-04, docs/gpu-kernels.md): step seconds
-#: native, patchnorm.
-MEASURED_H200 = {
-    ('resnet50', 'train', 'channels_last'): (0.02957, 0.09324),
-    ('resnet50', 'inference', 'channels_last'): (0.01647, 0.03317),
-    ('convnext_tiny', 'train', 'channels_last'): (0.04495, 0.06802),
-    ('convnext_tiny', 'inference', 'channels_last'): (0.03102, 0.04745),
-    ('resnet50', 'train', 'nchw'): (0.05552, 0.07585),
-    ('resnet50', 'inference', 'nchw'): (0.02507, 0.05145),
-    ('convnext_tiny', 'inference', 'nchw'): (0.03137, 0.04801),
-}
+#: The H200 measurements the model is calibrated on, in the repository with how they were taken (its README): the
+#: torch path's eager steps (torch 2.11, bf16 autocast, 224 px, batch 128 train / 256 inference), one file a layout,
+#: and the profiles the fractions and CPU costs are read from (`prof_*.txt`).
+H200_DATA = pathlib.Path(__file__).resolve().parent / 'data' / 'h200-2026-12-04'
+H200_RESULTS = {'channels_last': 'results-2026-12-04-h200.jsonl', 'nchw': 'results-2026-12-04-h200-nchw.jsonl'}
+
+
+def measured_steps(folder: pathlib.Path = H200_DATA) -> Dict[Tuple[str, str, str], Tuple[float, float]]:
+    """ Seconds a step of the measured eager configurations, native and patchnorm (the median of each one's timed
+    rounds, as `bench_gpu.py` takes it), by (model, step, layout): channels-last first, then each model in the
+    files' order, train before inference."""
+    rows = []
+    for layout, name in H200_RESULTS.items():
+        for line in (folder / name).read_text().splitlines():
+            record = json.loads(line)
+            if record['part'] == 'eager':
+                mode = 'inference' if record['mode'] == 'infer' else 'train'
+                rows.append(((record['model'], mode, layout),
+                             tuple(statistics.median(record['rounds'][norm]) for norm in ('native', 'patchnorm'))))
+    models = list(dict.fromkeys(key[0] for key, _ in rows))
+    layouts = list(H200_RESULTS)
+    rows.sort(key=lambda row: (layouts.index(row[0][2]), models.index(row[0][0]), row[0][1] != 'train'))
+    return dict(rows)
+
+
+MEASURED_H200 = measured_steps()
 
 
 # --- CUDA's autocast on CPU tensors -------------------------------------------------------------------------------
@@ -215,8 +244,7 @@ def _overload(name: str):
 
 def autocast_ops(key: str) -> List[str]:
     """The ATen operators with a kernel for the dispatch key `key` (`AutocastCPU`, `AutocastCUDA`) in this build."""
-    return sorted(name[len('aten::'):] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith('aten::') and torch._C._dispatch_has_kernel_for_dispatch_key(name, key))
+    return sorted(name[len('aten::'):] for name in ops_with_kernel(key) if name.startswith('aten::'))
 
 
 class CudaAutocast:
@@ -241,13 +269,13 @@ class CudaAutocast:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')  # "overriding a previously registered kernel": the point here
             for name in sorted(set(policy) | set(autocast_ops('AutocastCPU'))):
-                if name in policy or torch._C._dispatch_has_kernel_for_dispatch_key(f'aten::{name}', 'AutocastCPU'):
+                if name in policy or has_kernel(f'aten::{name}', 'AutocastCPU'):
                     op = _overload(name)
                     self._library.impl(name, self._kernel(op, policy.get(name)), 'AutocastCPU')
         return self
 
     def __exit__(self, *exc) -> None:
-        self._library._destroy()
+        destroy_library(self._library)
         self._library = None
         self._cache.clear()
 
@@ -260,7 +288,7 @@ class CudaAutocast:
                 and value.dtype != dtype):
             return value
         cacheable = dtype != torch.float32 and value.dtype == torch.float32 and value.requires_grad and \
-            value.is_leaf and not value._is_view()
+            value.is_leaf and not is_view(value)
         if cacheable and id(value) in self._cache:
             return self._cache[id(value)][1]
         cast = value.to(dtype)
@@ -269,8 +297,7 @@ class CudaAutocast:
         return cast
 
     def _kernel(self, op, kind: Optional[str]) -> Callable:
-        exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-        dtype_index = next((i for i, a in enumerate(op._schema.arguments) if a.name == 'dtype'), None)
+        dtype_index = next((i for i, a in enumerate(op_schema(op).arguments) if a.name == 'dtype'), None)
 
         def cast_all(args, kwargs, dtype):
             def cast(value):
@@ -297,7 +324,7 @@ class CudaAutocast:
                 widest = torch.float32 if any(t.dtype == torch.float32 for t in floats) else \
                     torch.get_autocast_dtype('cpu')
                 args, kwargs = cast_all(args, kwargs, widest)
-            with torch._C._ExcludeDispatchKeyGuard(exclude):
+            with dispatch_key_excluded('AutocastCPU'):
                 return op(*args, **kwargs)
         return kernel
 
@@ -405,15 +432,18 @@ POOLS = {'max_pool2d_with_indices', 'max_pool2d_with_indices_backward'}
 ACTIVATIONS = {'relu', 'relu_', 'gelu', 'gelu_', 'silu', 'silu_', 'threshold_backward', 'gelu_backward',
                'silu_backward', 'hardswish', 'hardswish_backward', 'clamp_min', 'clamp_min_'}
 CASTS = {'_to_copy', 'copy_', 'clone', 'contiguous'}
+FILLS = {'copy_', 'fill_', 'zero_', 'new_zeros', 'zeros', 'zeros_like', 'ones_like', 'full', 'new_full', 'full_like',
+         'scalar_tensor', 'ones', 'masked_fill_', 'index_put_'}
 
 
-def _name(func) -> str:
-    return func._schema.name.split('::')[-1]
+def op_name(func) -> str:
+    """An operator's name without its namespace and overload: `convolution` for `aten::convolution.default`."""
+    return op_schema(func).name.split('::')[-1]
 
 
 def _gemm_flops(func, args, kwargs, out) -> float:
     """FLOPs of a matrix product or convolution: torch's `flop_registry`, with the few it lacks."""
-    name = _name(func)
+    name = op_name(func)
     if name in ('mv', 'addmv', 'addmv_'):
         matrix = args[0] if name == 'mv' else args[1]
         return 2. * matrix.numel()
@@ -457,77 +487,168 @@ def _conv_launches(name: str, operands: Sequence[torch.Tensor], out: torch.Tenso
     return launches
 
 
+class Op:
+    """ One ATen operation as a cost rule sees it: its name, overload, arguments and result, and the tensors it reads
+    (`ins`, every tensor argument) and writes (`outs`)."""
+
+    def __init__(self, func, args: tuple, kwargs: dict, out):
+        self.name, self.func, self.args, self.kwargs, self.out = op_name(func), func, args, kwargs, out
+
+    @functools.cached_property
+    def ins(self) -> List[torch.Tensor]:
+        return _tensors((self.args, self.kwargs))
+
+    @functools.cached_property
+    def outs(self) -> List[torch.Tensor]:
+        return _tensors(self.out)
+
+
+def moved(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes a kernel moves to read (or write) each of `tensors` once."""
+    return sum(dram_bytes(t) for t in tensors)
+
+
+def _free(op: Op) -> List[Launch]:
+    return []
+
+
+def _batch_norm(op: Op) -> List[Launch]:
+    """Inference: the transform pass; training: the statistics pass, the running stats' update, then the transform."""
+    x, training, ins, outs = op.args[0], op.args[5], op.ins, op.outs
+    transform = Launch(op.name + ':transform', 'bn_transform', moved([x]) + moved(ins[1:3]), dram_bytes(outs[0]))
+    if not training:
+        return [transform]
+    stats = Launch(op.name + ':statistics', 'bn_statistics', dram_bytes(x), moved(outs[1:]))
+    update = Launch(op.name + ':running stats', 'stream', moved(ins[3:5]) * 2, moved(ins[3:5]))
+    return [stats, update, transform]
+
+
+def _batch_norm_backward(op: Op) -> List[Launch]:
+    """A reduction pass (the parameters' gradients) and an elementwise pass (the input's), each reading `g` and `x`."""
+    g, x = op.args[0], op.args[1]
+    return [Launch(op.name + ':reduce', 'bn_backward_reduce', dram_bytes(g) + dram_bytes(x), moved(op.outs[1:])),
+            Launch(op.name + ':elementwise', 'bn_backward_elementwise', dram_bytes(g) + dram_bytes(x),
+                   dram_bytes(op.outs[0]))]
+
+
+def _layer_norm(op: Op) -> List[Launch]:
+    return [Launch(op.name, 'layer_norm', moved(op.ins), moved(op.outs))]
+
+
+def _layer_norm_backward(op: Op) -> List[Launch]:
+    """The input-gradient kernel and the parameter-gradient kernel, each reading `g` and `x`."""
+    g, x = op.args[0], op.args[1]
+    parameter_grads = [t for t in op.outs[1:] if t is not None]
+    return [Launch(op.name + ':input', 'layer_norm_backward', dram_bytes(g) + dram_bytes(x), dram_bytes(op.outs[0])),
+            Launch(op.name + ':parameters', 'layer_norm_backward', dram_bytes(g) + dram_bytes(x),
+                   moved(parameter_grads))]
+
+
+def _convolution(op: Op) -> List[Launch]:
+    x, weight, groups = op.args[0], op.args[1], op.args[8]
+    return _conv_launches(op.name, [x, weight], op.out, x, weight, conv_flops(op.out, weight), groups)
+
+
+def _convolution_backward(op: Op) -> List[Launch]:
+    """The data-gradient and weight-gradient GEMMs, and the bias gradient's reduction, as the output mask asks."""
+    g, x, weight, mask, groups = op.args[0], op.args[1], op.args[2], op.args[10], op.args[9]
+    flops, launches, out = conv_flops(g, weight), [], op.out
+    if mask[0]:
+        launches += _conv_launches(op.name + ':input', [g, weight], out[0], x, weight, flops, groups)
+    if mask[1]:
+        launches += _conv_launches(op.name + ':weight', [g, x], out[1], x, weight, flops, groups)
+    if mask[2]:
+        launches.append(Launch(op.name + ':bias', _reduce_engine(g, out[2]), dram_bytes(g), dram_bytes(out[2])))
+    return launches
+
+
+def _foreach(op: Op) -> List[Launch]:
+    """One launch per 48 tensors of the lists; an in-place one writes its first list."""
+    lists = [a for a in op.args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    written = moved(lists[0]) if op.name.endswith('_') else moved(op.outs)
+    return [Launch(op.name, 'stream', moved([t for lst in lists for t in lst]), written,
+                   count=math.ceil(len(lists[0]) / 48))]
+
+
+def _fill(op: Op) -> List[Launch]:
+    """A fill writes its output; a copy or a masked write also reads its source (a broadcast one is unvectorised)."""
+    sources = [t for t in op.ins[1:] if t.numel() > 1] if op.name in ('copy_', 'masked_fill_', 'index_put_') else []
+    return [Launch(op.name, _layout_engine(sources, op.outs[:1]) if sources else 'stream', moved(sources),
+                   dram_bytes(op.outs[0]) if op.outs else 0)]
+
+
+def _flash_attention(op: Op) -> List[Launch]:
+    """The CPU's flash attention stands for CUDA's kernel: 4 FLOPs a query-key pair and channel, 2.5x in backward."""
+    backward = op.name.endswith('_backward')
+    q, k = op.args[1:3] if backward else op.args[:2]
+    flops = 4. * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
+    return [Launch(op.name, 'gemm', moved(op.ins), moved(op.outs), flops * (2.5 if backward else 1.))]
+
+
+def _gemm(op: Op) -> List[Launch]:
+    """A matrix product on tensor cores; one with a dimension of 1 as the matrix-vector or row-dot kernel it is."""
+    unit = any(1 in t.shape[-2:] for t in op.ins if t.dim() >= 2)
+    engine = 'gemm'
+    if op.name in ('bmm', 'baddbmm') and unit:
+        engine = 'batched_dot'
+    elif op.name in ('mv', 'addmv', 'addmv_', 'dot') or unit:
+        engine = 'gemv'
+    return [Launch(op.name, engine, moved(op.ins), moved(op.outs), _gemm_flops(op.func, op.args, op.kwargs, op.out),
+                   math=_math(op.ins))]
+
+
+def _pool(op: Op) -> List[Launch]:
+    return [Launch(op.name, 'pool', moved(op.ins), moved(op.outs))]
+
+
+def _reduction(op: Op) -> List[Launch]:
+    return [Launch(op.name, _reduce_engine(op.ins[0], op.outs[0]), moved(op.ins), moved(op.outs))]
+
+
+def _elementwise(op: Op) -> List[Launch]:
+    """Reads every tensor argument, writes its outputs (an in-place operation without one writes its first)."""
+    arguments = op_schema(op.func).arguments
+    inplace = arguments and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+    written = moved(op.outs) if op.outs else (dram_bytes(op.ins[0]) if inplace else 0)
+    return [Launch(op.name, _layout_engine(op.ins, op.outs), moved(op.ins), written)]
+
+
+Rule = Callable[[Op], List[Launch]]
+
+#: The kernels each ATen operation launches, by its name: an operation's price is its rule. Operations named by a
+#: prefix of `PREFIX_RULES` take its rule, other `*_backward_data` ones are reductions, and the rest elementwise
+#: kernels (`_elementwise`); a view launches nothing whatever its name.
+RULES: Dict[str, Rule] = {
+    **dict.fromkeys(FREE, _free),
+    'native_batch_norm': _batch_norm,
+    'native_batch_norm_backward': _batch_norm_backward,
+    'native_layer_norm': _layer_norm,
+    'native_layer_norm_backward': _layer_norm_backward,
+    'convolution': _convolution,
+    'convolution_backward': _convolution_backward,
+    **dict.fromkeys(FILLS, _fill),
+    **dict.fromkeys(GEMMS, _gemm),
+    **dict.fromkeys(POOLS, _pool),
+    **dict.fromkeys(REDUCTIONS, _reduction),
+}
+PREFIX_RULES: Tuple[Tuple[str, Rule], ...] = (
+    ('_foreach_', _foreach), ('_scaled_dot_product_flash_attention', _flash_attention))
+
+
+def cost_rule(name: str) -> Rule:
+    """The rule that prices the ATen operation `name` (see `RULES`)."""
+    rule = RULES.get(name) or next((rule for prefix, rule in PREFIX_RULES if name.startswith(prefix)), None)
+    if rule is not None:
+        return rule
+    return _reduction if name.endswith('_backward_data') else _elementwise
+
+
 def aten_launches(func, args, kwargs, out) -> List[Launch]:
     """The kernels a GPU launches for one ATen operation, with what each moves (see the module's docstring)."""
-    name = _name(func)
-    if name in FREE or func.is_view:
+    if func.is_view:
         return []
-    outs, ins = _tensors(out), _tensors((args, kwargs))
-    read = lambda ts: sum(dram_bytes(t) for t in ts)  # noqa: E731
-    if name == 'native_batch_norm':
-        x, training = args[0], args[5]
-        transform = Launch(name + ':transform', 'bn_transform', read([x]) + read(ins[1:3]), dram_bytes(outs[0]))
-        if not training:
-            return [transform]
-        stats = Launch(name + ':statistics', 'bn_statistics', dram_bytes(x), read(outs[1:]))
-        update = Launch(name + ':running stats', 'stream', read(ins[3:5]) * 2, read(ins[3:5]))
-        return [stats, update, transform]
-    if name == 'native_batch_norm_backward':
-        g, x = args[0], args[1]
-        return [Launch(name + ':reduce', 'bn_backward_reduce', dram_bytes(g) + dram_bytes(x), read(outs[1:])),
-                Launch(name + ':elementwise', 'bn_backward_elementwise', dram_bytes(g) + dram_bytes(x),
-                       dram_bytes(outs[0]))]
-    if name == 'native_layer_norm_backward':
-        g, x = args[0], args[1]
-        parameter_grads = [t for t in outs[1:] if t is not None]
-        return [Launch(name + ':input', 'layer_norm_backward', dram_bytes(g) + dram_bytes(x), dram_bytes(outs[0])),
-                Launch(name + ':parameters', 'layer_norm_backward', dram_bytes(g) + dram_bytes(x),
-                       read(parameter_grads))]
-    if name == 'native_layer_norm':
-        return [Launch(name, 'layer_norm', read(ins), read(outs))]
-    if name == 'convolution':
-        x, weight, groups = args[0], args[1], args[8]
-        return _conv_launches(name, [x, weight], out, x, weight, conv_flops(out, weight), groups)
-    if name == 'convolution_backward':
-        g, x, weight, mask, groups = args[0], args[1], args[2], args[10], args[9]
-        flops, launches = conv_flops(g, weight), []
-        if mask[0]:
-            launches += _conv_launches(name + ':input', [g, weight], out[0], x, weight, flops, groups)
-        if mask[1]:
-            launches += _conv_launches(name + ':weight', [g, x], out[1], x, weight, flops, groups)
-        if mask[2]:
-            launches.append(Launch(name + ':bias', _reduce_engine(g, out[2]), dram_bytes(g), dram_bytes(out[2])))
-        return launches
-    if name.startswith('_foreach_'):
-        lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-        tensors = len(lists[0])
-        written = read(lists[0]) if name.endswith('_') else read(outs)
-        return [Launch(name, 'stream', read([t for lst in lists for t in lst]), written, count=math.ceil(tensors / 48))]
-    if name in ('copy_', 'fill_', 'zero_', 'new_zeros', 'zeros', 'zeros_like', 'ones_like', 'full', 'new_full',
-                'full_like', 'scalar_tensor', 'ones', 'masked_fill_', 'index_put_'):
-        sources = [t for t in ins[1:] if t.numel() > 1] if name in ('copy_', 'masked_fill_', 'index_put_') else []
-        return [Launch(name, _layout_engine(sources, outs[:1]) if sources else 'stream', read(sources),
-                       dram_bytes(outs[0]) if outs else 0)]
-    if name.startswith('_scaled_dot_product_flash_attention'):  # the CPU's variant stands for CUDA's flash kernel
-        q, k = args[1:3] if name.endswith('_backward') else args[:2]
-        flops = 4. * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3]
-        return [Launch(name, 'gemm', read(ins), read(outs), flops * (2.5 if name.endswith('_backward') else 1.))]
-    if name in GEMMS:
-        unit = any(1 in t.shape[-2:] for t in ins if t.dim() >= 2)
-        engine = 'gemm'
-        if name in ('bmm', 'baddbmm') and unit:
-            engine = 'batched_dot'
-        elif name in ('mv', 'addmv', 'addmv_', 'dot') or unit:
-            engine = 'gemv'
-        return [Launch(name, engine, read(ins), read(outs), _gemm_flops(func, args, kwargs, out), math=_math(ins))]
-    if name in POOLS:
-        return [Launch(name, 'pool', read(ins), read(outs))]
-    inplace = func._schema.arguments and func._schema.arguments[0].alias_info is not None and \
-        func._schema.arguments[0].alias_info.is_write
-    if name in REDUCTIONS or name.endswith('_backward_data'):
-        return [Launch(name, _reduce_engine(ins[0], outs[0]), read(ins), read(outs))]
-    return [Launch(name, _layout_engine(ins, outs), read(ins), read(outs) if outs else (
-        dram_bytes(ins[0]) if inplace else 0))]
+    op = Op(func, args, kwargs, out)
+    return cost_rule(op.name)(op)
 
 
 # --- the Triton launches ------------------------------------------------------------------------------------------
@@ -536,57 +657,88 @@ def _map_bytes(n: int, groups: int, positions: int) -> int:
     return n * groups * positions * 4  # the float32 maps (q, b, t), one channel per group
 
 
+def _affine_bytes(named: Dict, constexprs: Dict, channels: int) -> int:
+    """The per-channel bias, gain and post-bias a launch reads, those its constants say it has."""
+    return sum(channels * named[p].element_size() for p, flag in (
+        ('bias_ptr', 'HAS_BIAS'), ('gain_ptr', 'HAS_GAIN'), ('pb_ptr', 'HAS_PB')) if constexprs[flag])
+
+
+def _channel_sq_norm(named: Dict, constexprs: Dict) -> Tuple[int, int, float]:
+    """Reads `x`, writes the group's float32 map."""
+    x = named['x_ptr']
+    n, _, h, w = x.shape
+    return dram_bytes(x), _map_bytes(n, named['G'], h * w), 0.
+
+
+def _scale(named: Dict, constexprs: Dict) -> Tuple[int, int, float]:
+    """ The output pass (or the `dx` update): reads `y`, the affine, `base` if any and the map (or, with a box
+    filter, the norms' source once, its window's taps issued as instructions); writes the output, the map if it
+    stores it, and the parameters' gradients if it sums them."""
+    y = named['y_ptr']
+    n, c, h, w = y.shape
+    groups, positions = named['G'], h * w
+    read, written = dram_bytes(y), dram_bytes(named['out_ptr'])
+    read += _affine_bytes(named, constexprs, c)
+    if constexprs['HAS_BASE']:
+        read += dram_bytes(named['base_ptr'])
+    instructions = 0.
+    if constexprs['BOX'] == 0:
+        read += _map_bytes(n, groups, positions)
+    else:
+        read += dram_bytes(named['b_ptr'])
+        instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'],
+                                        constexprs.get('ONE_GROUP', False))
+    if constexprs['STORE_M']:
+        written += _map_bytes(n, groups, positions)
+    if constexprs['SUM']:
+        read += named['part_ptr'].numel() * 4
+        written += named['sums_ptr'].numel() * 4
+    return read, written, instructions
+
+
+def _box_filter(named: Dict, constexprs: Dict) -> Tuple[int, int, float]:
+    """A window's rows (its first pass): reads the map, writes the rows' float32 map."""
+    r = named['r_ptr']
+    return dram_bytes(named['map_ptr']), dram_bytes(r), box_instructions(
+        r.numel(), 'rows', constexprs['KH'], constexprs['KW'], False)
+
+
+def _scale_backward(named: Dict, constexprs: Dict) -> Tuple[int, int, float]:
+    """ The backward pass: reads the gradient, `y`, the map and the affine; writes `dL/dy`, `t` and the partial sums
+    (a grouped tile long in channels carries `t` over its blocks of channels: a read and a write a block more)."""
+    g, y = named['g_ptr'], named['y_ptr']
+    n, c, h, w = y.shape
+    groups, positions = named['G'], h * w
+    read = dram_bytes(g) + dram_bytes(y) + _map_bytes(n, groups, positions)
+    read += _affine_bytes(named, constexprs, c)
+    written = dram_bytes(named['gy_ptr']) + _map_bytes(n, groups, positions)
+    if constexprs['GROUPED'] and not constexprs['UNITS_OUTER']:
+        blocks = math.ceil(named['CPG'] / constexprs['BC'])
+        read += _map_bytes(n, groups, positions) * (blocks - 1)
+        written += _map_bytes(n, groups, positions) * (blocks - 1)
+    partial_rows = sum(constexprs[f] for f in ('WRITE_PB', 'WRITE_GAIN', 'WRITE_BIAS'))
+    written += partial_rows * math.ceil(named['UNITS'] / named['S']) * c * 4
+    return read, written, 0.
+
+
+#: What one launch of each of `_triton`'s kernels moves and issues: `(bytes read, bytes written, instructions)` read
+#: off its arguments by name (`named`) and its constants.
+TRITON_RULES: Dict[str, Callable[[Dict, Dict], Tuple[int, int, float]]] = {
+    '_channel_sq_norm_kernel': _channel_sq_norm,
+    '_scale_kernel': _scale,
+    '_box_filter_kernel': _box_filter,
+    '_scale_backward_kernel': _scale_backward,
+}
+
+
 def triton_launch(kernel, args: Sequence, constexprs: Dict) -> Launch:
     """ What one launch of `_triton`'s kernels moves, read off its arguments as the launcher passes them (pointer
     arguments the constants say are unused move nothing), and the instructions its box filter issues."""
-    named = dict(zip(kernel.arg_names, args))
     name = kernel.__name__
-    if name == '_channel_sq_norm_kernel':
-        x = named['x_ptr']
-        n, _, h, w = x.shape
-        return Launch(name, 'triton', dram_bytes(x), _map_bytes(n, named['G'], h * w))
-    if name == '_scale_kernel':
-        y = named['y_ptr']
-        n, c, h, w = y.shape
-        groups, positions = named['G'], h * w
-        read, written = dram_bytes(y), dram_bytes(named['out_ptr'])
-        read += sum(c * named[p].element_size() for p, flag in (('bias_ptr', 'HAS_BIAS'), ('gain_ptr', 'HAS_GAIN'),
-                                                                ('pb_ptr', 'HAS_PB')) if constexprs[flag])
-        if constexprs['HAS_BASE']:
-            read += dram_bytes(named['base_ptr'])
-        instructions = 0.
-        if constexprs['BOX'] == 0:
-            read += _map_bytes(n, groups, positions)
-        else:
-            read += dram_bytes(named['b_ptr'])
-            instructions = box_instructions(y.numel(), constexprs['BOX'], constexprs['KH'], constexprs['KW'],
-                                            constexprs.get('ONE_GROUP', False))
-        if constexprs['STORE_M']:
-            written += _map_bytes(n, groups, positions)
-        if constexprs['SUM']:
-            read += named['part_ptr'].numel() * 4
-            written += named['sums_ptr'].numel() * 4
-        return Launch(name, 'triton', read, written, instructions=instructions)
-    if name == '_box_filter_kernel':
-        r = named['r_ptr']
-        return Launch(name, 'triton', dram_bytes(named['map_ptr']), dram_bytes(r),
-                      instructions=box_instructions(r.numel(), 'rows', constexprs['KH'], constexprs['KW'], False))
-    if name == '_scale_backward_kernel':
-        g, y = named['g_ptr'], named['y_ptr']
-        n, c, h, w = y.shape
-        groups, positions = named['G'], h * w
-        read = dram_bytes(g) + dram_bytes(y) + _map_bytes(n, groups, positions)
-        read += sum(c * named[p].element_size() for p, flag in (('bias_ptr', 'HAS_BIAS'), ('gain_ptr', 'HAS_GAIN'),
-                                                                ('pb_ptr', 'HAS_PB')) if constexprs[flag])
-        written = dram_bytes(named['gy_ptr']) + _map_bytes(n, groups, positions)
-        if constexprs['GROUPED'] and not constexprs['UNITS_OUTER']:
-            rounds = math.ceil(named['CPG'] / constexprs['BC'])  # t carried over the blocks of channels
-            read += _map_bytes(n, groups, positions) * (rounds - 1)
-            written += _map_bytes(n, groups, positions) * (rounds - 1)
-        partial_rows = sum(constexprs[f] for f in ('WRITE_PB', 'WRITE_GAIN', 'WRITE_BIAS'))
-        written += partial_rows * math.ceil(named['UNITS'] / named['S']) * c * 4
-        return Launch(name, 'triton', read, written)
-    raise ValueError(f'no byte count for the Triton kernel {name}')
+    if name not in TRITON_RULES:
+        raise ValueError(f'no byte count for the Triton kernel {name}')
+    read, written, instructions = TRITON_RULES[name](dict(zip(kernel.arg_names, args)), constexprs)
+    return Launch(name, 'triton', read, written, instructions=instructions)
 
 
 #: Instructions issued per element and window tap by a box filter, by `BOX` (1: a convolution's window, 2: its
@@ -604,7 +756,7 @@ def box_instructions(elements: int, box, kh: int, kw: int, one_group: bool) -> f
 
 
 def lower_bound(op: str, args: Sequence, out) -> int:
-    """ The bytes a PatchNorm op must move at least, by the measure of issue 39: what BatchNorm would also read and
+    """ The bytes a PatchNorm op must move at least (the bar of docs/performance.md): what BatchNorm would also read and
     write in its place (the output pass: read `y`, write the output; the backward: read the gradient and `y`, write
     `dL/dy`) plus the input's squared norms (one read of `x`, forward and backward). The maps (one channel per group)
     and the `dx` update's read-modify-write (which the convolution's input-gradient epilogue could take) are not in
@@ -673,13 +825,13 @@ class Recorder(TorchDispatchMode):
         if body is not None:
             with self:
                 out = body(*args, **kwargs)
-            self.add(Launch(_name(func), 'host', 0, 0, count=0, cpu=CPU_COSTS['custom_op'],
-                            bound=lower_bound(_name(func), args, out)))
+            self.add(Launch(op_name(func), 'host', 0, 0, count=0, cpu=CPU_COSTS['custom_op'],
+                            bound=lower_bound(op_name(func), args, out)))
             return out
         out = func(*args, **kwargs)
         launches = aten_launches(func, args, kwargs, out)
         for i, launch in enumerate(launches):
-            launch.cpu = 0. if i else CPU_COSTS.get(_name(func), CPU_COSTS['default'])
+            launch.cpu = 0. if i else CPU_COSTS.get(op_name(func), CPU_COSTS['default'])
             self.add(launch)
         return out
 
@@ -767,38 +919,18 @@ def kernel_path(path: str, recorder: Recorder) -> Iterator[Dict]:
     """ The layers' path for CPU tensors: torch's operations, or (`triton`) the custom ops, whose bodies the recorder
     runs and whose launchers record their Triton launches (`_triton`'s launchers, their launches recorded instead of
     run, then `_torch`'s for the values, out of the count). Yields the custom ops' bodies by operator."""
-    from timm_affinediv.layers.kernels import _torch, dispatch, ops, set_kernels
-    mode = dispatch.kernels_mode()
+    from timm_affinediv.layers.kernels import kernels_mode, set_kernels
     if path == 'torch':
+        mode = kernels_mode()
         set_kernels('torch')
         try:
             yield {}
         finally:
             set_kernels(mode)
         return
-    from timm_affinediv.layers.kernels import _triton
-
-    class Launchers:
-        def __getattr__(self, launcher):
-            def run(*args, **kwargs):
-                getattr(_triton, launcher)(*args, **kwargs)
-                with recorder.hidden():
-                    return getattr(_torch, launcher)(*args, **kwargs)
-            return run
-
-    def launch(kernel, grid, *args, **constexprs):
-        recorder.record_triton(kernel, args, constexprs)
-
-    custom_ops = [getattr(ops, name) for name in ops.__all__] + [getattr(ops, f'{name}_backward')
-                                                                 for name in ops.__all__]
-    saved = _triton._launch, ops._kernels, dispatch._runs_kernels
-    _triton._launch, ops._kernels, dispatch._runs_kernels = launch, lambda *_: Launchers(), lambda device: True
-    set_kernels('triton')
-    try:
-        yield {op._opoverload: op._init_fn for op in custom_ops}
-    finally:
-        _triton._launch, ops._kernels, dispatch._runs_kernels = saved
-        set_kernels(mode)
+    from timm_affinediv.layers.kernels.recording import custom_ops, recorded_launches
+    with recorded_launches(recorder.record_triton, recorder.hidden):
+        yield {custom_op_overload(op): custom_op_body(op) for op in custom_ops()}
 
 
 def trace(step: Step) -> List[Launch]:

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 from conftest import SCRIPTS
-from torch._subclasses.fake_tensor import FakeTensorMode
+
+from timm_affinediv._torch_compat import FakeTensorMode
 
 
 @pytest.fixture(scope='module')
@@ -45,6 +46,32 @@ def test_a_convolution_is_priced_by_its_formula(gpu_model):
     assert launch.engine == 'gemm'
     # cuDNN transposes NCHW activations for its tensor-core kernels: the input and the output, each read and written
     assert [t.op for t in transposed] == ['convolution', 'nchw_to_nhwc', 'nchw_to_nhwc']
+
+
+def test_each_operation_has_one_cost_rule(gpu_model):
+    """The name sets the rules are built from share no name (one would silently take another's rule), and a name
+    finds its rule by name, then by prefix, then as a reduction or an elementwise kernel."""
+    sets = [gpu_model.FREE, gpu_model.FILLS, gpu_model.GEMMS, gpu_model.POOLS, gpu_model.REDUCTIONS,
+            {'native_batch_norm', 'native_batch_norm_backward', 'native_layer_norm', 'native_layer_norm_backward',
+             'convolution', 'convolution_backward'}]
+    assert sum(map(len, sets)) == len(set().union(*sets)) == len(gpu_model.RULES)
+    rule = gpu_model.cost_rule
+    assert rule('native_batch_norm') is gpu_model._batch_norm and rule('view') is gpu_model._free
+    assert rule('_foreach_mul_') is gpu_model._foreach and rule('mm') is gpu_model._gemm
+    assert rule('_scaled_dot_product_flash_attention_for_cpu_backward') is gpu_model._flash_attention
+    assert rule('_softmax_backward_data') is rule('_new_backward_data') is gpu_model._reduction
+    assert rule('mul') is rule('add_') is gpu_model._elementwise
+
+
+def test_the_calibration_reads_the_measurements_in_the_repository(gpu_model):
+    """The H200 steps come from the data folder (with its README saying how they were taken): the median of each
+    configuration's timed rounds, channels-last first."""
+    assert (gpu_model.H200_DATA / 'README.md').is_file()
+    measured = gpu_model.measured_steps()
+    assert list(measured)[:2] == [('resnet50', 'train', 'channels_last'), ('resnet50', 'inference', 'channels_last')]
+    assert len(measured) == 7 and {layout for _, _, layout in measured} == {'channels_last', 'nchw'}
+    native, patchnorm = measured[('resnet50', 'train', 'channels_last')]
+    assert native == pytest.approx(0.029566, abs=1e-6) and patchnorm / native == pytest.approx(3.153, abs=1e-3)
 
 
 def test_bytes_of_views_broadcasts_and_strided_reads(gpu_model):
