@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from timm_affinediv import _torch_compat as compat
+from timm_affinediv.errors import TorchVersionError
 from timm_affinediv.layers.kernels import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -52,14 +53,24 @@ def test_a_moved_name_fails_with_one_line_naming_it_and_the_module():
     assert not _importable('torch._C', '_no_such_name') and not _importable('torch._no_such_module', 'x')
     assert _moved('torch._C', '_no_such_name', False) == (
         f'torch {torch.__version__} moved torch._C._no_such_name: update timm_affinediv/_torch_compat.py')
+    for module, name in (('torch._C', '_no_such_name'), ('torch._no_such_module', 'x')):
+        with pytest.raises(TorchVersionError) as raised:
+            compat.private_name(module, name)
+        assert str(raised.value) == (
+            f'torch {torch.__version__} has no {module}.{name}, which timm_affinediv reaches: install the torch it is '
+            'tested with, or update timm_affinediv/_torch_compat.py to where this torch keeps it')
+        assert isinstance(raised.value, ImportError)
 
 
 def _touched(tree: ast.AST) -> Set[str]:
-    """The private names a module's source takes from torch: `from torch.x._y import z` and `torch._C.NAME`, as
-    'module.name', and private attributes it reads (`._is_view`), as '.name'."""
+    """The private names a module's source takes from torch: `from torch.x._y import z`, `torch._C.NAME` and
+    `private_name('torch.x._y', 'z')`, as 'module.name', and private attributes it reads (`._is_view`), as '.name'."""
     names = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('torch.') and '._' in node.module:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'private_name' and \
+                all(isinstance(a, ast.Constant) for a in node.args):
+            names.add('.'.join(a.value for a in node.args))
+        elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('torch.') and '._' in node.module:
             names |= {f'{node.module}.{alias.name}' for alias in node.names}
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
                 isinstance(node.value.value, ast.Name) and node.value.value.id == 'torch' and node.value.attr == '_C':

@@ -2,21 +2,22 @@
 
 torch keeps fake tensors, dispatch modes, its pytree helpers, the dispatcher's keys, a custom op's parts and a few
 tensor methods private (a leading underscore): any release may move them. The package and `scripts/` reach them
-only through this module, which lists them (`PRIVATE_IMPORTS`, `PRIVATE_ATTRIBUTES`); tests/test_torch_compat.py
-resolves each on the installed torch and names the one a release moved, and this file as the one to update.
+only through this module, which lists them (`PRIVATE_IMPORTS`, `PRIVATE_ATTRIBUTES`). A torch that moved one of its
+names fails on import (or, for inductor's, on first use) with one `TorchVersionError` line naming it;
+tests/test_torch_compat.py resolves every listed name on the installed torch.
 """
 import contextlib
+import importlib
 from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from .errors import TorchVersionError
 
 __all__ = [
-    'PRIVATE_IMPORTS', 'PRIVATE_ATTRIBUTES', 'FakeTensor', 'FakeTensorMode', 'TorchDispatchMode', 'tree_flatten',
-    'lookup_device_info', 'ops_with_kernel', 'has_kernel', 'dispatch_key_excluded', 'is_view', 'tensor_version',
-    'destroy_library', 'op_schema', 'custom_op_overload', 'custom_op_body', 'fakes_run_bodies']
+    'PRIVATE_IMPORTS', 'PRIVATE_ATTRIBUTES', 'private_name', 'FakeTensor', 'FakeTensorMode', 'TorchDispatchMode',
+    'tree_flatten', 'lookup_device_info', 'ops_with_kernel', 'has_kernel', 'dispatch_key_excluded', 'is_view',
+    'tensor_version', 'destroy_library', 'op_schema', 'custom_op_overload', 'custom_op_body', 'fakes_run_bodies']
 
 #: torch's private modules' names this module takes, by module
 PRIVATE_IMPORTS = {
@@ -37,27 +38,47 @@ PRIVATE_ATTRIBUTES = {
 }
 
 
+def private_name(module: str, name: str) -> Any:
+    """`module.name` of torch's, one of `PRIVATE_IMPORTS`; a `TorchVersionError` where this torch moved it."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise TorchVersionError(f'torch {torch.__version__} has no {module}.{name}, which timm_affinediv reaches: '
+                                'install the torch it is tested with, or update timm_affinediv/_torch_compat.py '
+                                'to where this torch keeps it') from error
+
+
+FakeTensorMode: type = private_name('torch._subclasses.fake_tensor', 'FakeTensorMode')
+FakeTensor: type = private_name('torch._subclasses.fake_tensor', 'FakeTensor')
+TorchDispatchMode: type = private_name('torch.utils._python_dispatch', 'TorchDispatchMode')
+tree_flatten: Callable = private_name('torch.utils._pytree', 'tree_flatten')
+_all_op_names: Callable = private_name('torch._C', '_dispatch_get_all_op_names')
+_has_kernel: Callable = private_name('torch._C', '_dispatch_has_kernel_for_dispatch_key')
+_ExcludeDispatchKeyGuard: type = private_name('torch._C', '_ExcludeDispatchKeyGuard')
+_DispatchKeySet: type = private_name('torch._C', 'DispatchKeySet')
+_DispatchKey: type = private_name('torch._C', 'DispatchKey')
+
+
 def lookup_device_info(name: str) -> Any:
     """torch's datasheet row of a GPU (inductor's `device_info`), imported on use: inductor is slow to import and
     only the GPU time model reads it."""
-    from torch._inductor.analysis.device_info import lookup_device_info as lookup
-    return lookup(name)
+    return private_name('torch._inductor.analysis.device_info', 'lookup_device_info')(name)
 
 
 def ops_with_kernel(key: str) -> List[str]:
     """The dispatcher's operator names (`aten::add.Tensor`) that have a kernel for the dispatch key `key`."""
-    return [name for name in torch._C._dispatch_get_all_op_names() if has_kernel(name, key)]
+    return [name for name in _all_op_names() if _has_kernel(name, key)]
 
 
 def has_kernel(op_name: str, key: str) -> bool:
     """Whether the operator `op_name` (`aten::add.Tensor`) has a kernel for the dispatch key `key` in this build."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)
+    return _has_kernel(op_name, key)
 
 
 def dispatch_key_excluded(key: str) -> contextlib.AbstractContextManager:
     """A guard under which the dispatcher skips the key `key` (`AutocastCPU`): how a kernel registered for that key
     calls the operator it implements."""
-    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key)))
+    return _ExcludeDispatchKeyGuard(_DispatchKeySet(getattr(_DispatchKey, key)))
 
 
 def is_view(t: torch.Tensor) -> bool:
