@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     group.add_argument('--eval-images', type=non_negative_int,
                        help='validation images for the top-1 figures (default: all; 0: no evaluation)')
     parser.add_argument('--norm', default='patchnorm', choices=CONVERSION_NORMS)
-    parser.add_argument('--output', required=True, help='the Hub-format folder to write')
+    parser.add_argument('--output', required=True,
+                        help='the Hub-format folder (with --recover: the run folder, holding it in converted/)')
     parser.add_argument('--overwrite', action='store_true', help='replace an existing output folder')
     add_conversion_args(parser)
     add_recovery_args(parser)
