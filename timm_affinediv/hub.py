@@ -44,7 +44,7 @@ from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_
 from ._io import atomic_dir, save_safetensors
 from ._state_dict import check_finite, describe_mismatch
 from ._timm_compat import get_model_input_config, save_config_for_hf
-from .errors import HubError
+from .errors import HubError, OptionError, OutputExistsError
 from .labels import LABEL_KEYS, model_labels
 from .layers.binding import fake_eval
 
@@ -99,7 +99,7 @@ def timm_affinediv(pretrained: bool = False, pretrained_cfg: dict | str | None =
             return _load_folder(arch, pretrained_cfg, kwargs)
         if arch:
             return model_entrypoint(arch)(pretrained=pretrained, pretrained_cfg=pretrained_cfg, **kwargs)
-    raise ValueError(
+    raise OptionError(
         f"'{HUB_ARCH}' only loads folders written by timm_affinediv.hub.save_hub_folder"
         " ('hf-hub:org/name' or 'local-dir:DIR'). Create other models by their architecture,"
         " e.g. timm.create_model('resnet18', norm_layer='patchnorm')."
@@ -201,7 +201,7 @@ def save_hub_folder(
     """
     output_dir = Path(output_dir)
     if output_dir.exists() and not overwrite:
-        raise FileExistsError(f'{output_dir} already exists; pass overwrite=True (--overwrite) to replace it.')
+        raise OutputExistsError(f'{output_dir} already exists; pass overwrite=True (--overwrite) to replace it.')
     extra_files = dict(extra_files or {})
     for name in extra_files:
         _check_extra_file_name(name)
@@ -267,11 +267,11 @@ def _device(model: nn.Module) -> torch.device:
 def _check_extra_file_name(name: str) -> None:
     path = Path(name)
     if path.is_absolute() or '..' in path.parts or not path.parts:
-        raise ValueError(f'extra file {name!r}: give a relative path inside the folder.')
+        raise OptionError(f'extra file {name!r}: give a relative path inside the folder.')
     if name in REQUIRED_FILES:
-        raise ValueError(f'extra file {name!r} would replace the {name} that save_hub_folder writes.')
+        raise OptionError(f'extra file {name!r} would replace the {name} that save_hub_folder writes.')
     if name.endswith(PICKLE_SUFFIXES):
-        raise ValueError(f'extra file {name!r} is a pickle format; Hub folders publish safetensors only.')
+        raise OptionError(f'extra file {name!r} is a pickle format; Hub folders publish safetensors only.')
 
 
 def model_card_template() -> str:
@@ -328,7 +328,7 @@ def render_model_card(
     eval_results = None
     if metrics:
         if not datasets:
-            raise ValueError("metrics need the evaluation dataset: pass card={'datasets': [...], ...}.")
+            raise OptionError("metrics need the evaluation dataset: pass card={'datasets': [...], ...}.")
         eval_results = [
             EvalResult(
                 task_type='image-classification',

@@ -27,7 +27,7 @@ from .data import (
     is_stream,
     resolve_dataset_data_config,
 )
-from .errors import AffineDivError, MissingFileError
+from .errors import AffineDivError, MissingFileError, OutputExistsError
 from .hub import model_card_template, save_hub_folder
 from .labels import label_config, model_labels, with_labels
 from .train import TrainConfig, evaluate
@@ -220,7 +220,7 @@ def convert_to_folder(
     `timm.create_model`. Returns the converted model, the report and the metrics.
     """
     if Path(output).exists() and not overwrite:
-        raise FileExistsError(f'{output} already exists; pass --overwrite to replace it.')
+        raise OutputExistsError(f'{output} already exists; pass --overwrite to replace it.')
     counts = dict(calib_batches=calib_batches, calib_images=calib_images, heldout_images=heldout_images,
                   distill_images=distill_images, eval_images=eval_images)
     wrong = [f'{k} must be >= 0 (got {v})' for k, v in counts.items() if v is not None and v < 0] + (

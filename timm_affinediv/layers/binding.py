@@ -31,9 +31,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from .._timm_compat import get_model_input_config
+from .._torch_compat import FakeTensor, FakeTensorMode
 from ..errors import BindingError, SlotLayoutError, UnsupportedTypeError
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .kernels import kernel_path

@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from timm.layers import get_notrace_functions, get_notrace_modules
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from .._torch_compat import FakeTensorMode
 from .affine_div import AffineDivLinear, PatchNormConv2d
 from .norm import L2NormLinear
 from .recurrent import AffineDivLSTM

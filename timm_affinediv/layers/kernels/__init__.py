@@ -14,7 +14,8 @@ bfloat16, NCHW or channels-last (read by their strides, never copied). `AffineDi
 `dispatch` chooses the path (`TIMM_AFFINEDIV_KERNELS=auto|triton|torch`, `set_kernels`) and takes a kernel's failure,
 `functional` holds the entry points the layers call, `ops` the torch custom ops, `passes` the output pass and `dx`
 update they compose from the launchers, `_triton` the kernels and `_torch` their twins in torch's operations (what
-the ops fall back to), `selfcheck` the comparison of the two before the kernels' first use.
+the ops fall back to), `selfcheck` the comparison of the two before the kernels' first use, and `recording` the
+Triton path traced on a CPU with its launches recorded instead of run (what the GPU scripts count and price).
 """
 from ...errors import KernelError
 from .dispatch import KERNEL_MODES, kernel_path, kernels_mode, set_kernels, triton_available, use_triton

@@ -18,17 +18,18 @@ that differ from its torch twin's in the self-check it runs before its first use
 training goes on with the same numbers and every layer keeps the path it took (a fused slot's activation is applied
 once).
 """
+import contextlib
 import importlib.util
 import os
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from ...errors import KernelError, OptionError
 
 __all__ = ['KERNEL_MODES', 'set_kernels', 'kernels_mode', 'triton_available', 'use_triton', 'kernel_path',
-           'kernel_failed', 'fell_back']
+           'launchers_replaced', 'stand_in_launchers', 'kernel_failed', 'fell_back']
 
 KERNEL_MODES = ('auto', 'triton', 'torch')
 _ENV = 'TIMM_AFFINEDIV_KERNELS'
@@ -80,8 +81,31 @@ def kernel_path(device: torch.device, dtype: torch.dtype = torch.float32) -> str
 
 
 def _runs_kernels(device: torch.device) -> bool:
-    """CUDA devices, and the CPU under Triton's interpreter where the kernels are asked for (`triton`)."""
-    return device.type == 'cuda' or (_MODE == 'triton' and device.type == 'cpu' and _interpreting())
+    """CUDA devices, the CPU under Triton's interpreter where the kernels are asked for (`triton`), and every device
+    while stand-in launchers are set."""
+    return (_STAND_IN is not None or device.type == 'cuda'
+            or (_MODE == 'triton' and device.type == 'cpu' and _interpreting()))
+
+
+_STAND_IN = None  # the launchers `launchers_replaced` set
+
+
+@contextlib.contextmanager
+def launchers_replaced(launchers: Any) -> Iterator[None]:
+    """ For the context's time every device takes the Triton path, and the ops call `launchers` (an object with
+    `_triton`'s launcher functions) instead of the self-checked kernels: how `recording` traces a GPU step's
+    launches on a CPU. """
+    global _STAND_IN
+    saved, _STAND_IN = _STAND_IN, launchers
+    try:
+        yield
+    finally:
+        _STAND_IN = saved
+
+
+def stand_in_launchers() -> Optional[Any]:
+    """The launchers `launchers_replaced` set, or None."""
+    return _STAND_IN
 
 
 def use_triton(x: torch.Tensor) -> bool:

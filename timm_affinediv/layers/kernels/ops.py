@@ -33,7 +33,9 @@ __all__ = ['patchnorm_conv2d', 'affine_div_linear', 'l2_normalise_channels']
 def _kernels(x: Tensor):
     """ The launchers: `_triton`'s, once they have passed their self-check on `x`'s device, dtype and memory layout
     (`selfcheck.verify`, which raises `KernelError` where they do not), or their torch twins once a kernel has
-    failed under `auto`."""
+    failed under `auto`; or the stand-ins `dispatch.launchers_replaced` set."""
+    if dispatch.stand_in_launchers() is not None:
+        return dispatch.stand_in_launchers()
     if dispatch.fell_back():
         return _torch
     from . import _triton, selfcheck  # defines the kernels on first use, after TRITON_INTERPRET is set

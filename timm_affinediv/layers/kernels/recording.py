@@ -10,8 +10,8 @@ gpu_model.py prices them.
 import contextlib
 from typing import Any, Callable, ContextManager, Iterator, List
 
-from . import _torch, dispatch, ops
-from .dispatch import kernels_mode, set_kernels
+from . import _torch, ops
+from .dispatch import kernels_mode, launchers_replaced, set_kernels
 
 __all__ = ['TwinLaunchers', 'custom_ops', 'recorded_launches']
 
@@ -44,14 +44,9 @@ def recorded_launches(record: Callable[[Any, tuple, dict], None],
     """The Triton path on every device, launches recorded (see the module's docstring); yields the launchers."""
     from . import _triton  # defines the kernels on first use, after TRITON_INTERPRET is set
     launchers, mode = TwinLaunchers(twins), kernels_mode()
-    # ops and dispatch choose the launchers and the devices that run kernels with no switch for a recording: this
-    # module alone swaps those two choices, for the recording's time
-    saved = ops._kernels, dispatch._runs_kernels
-    ops._kernels, dispatch._runs_kernels = lambda x: launchers, lambda device: True
     set_kernels('triton')
     try:
-        with _triton.launches_recorded(record):
+        with launchers_replaced(launchers), _triton.launches_recorded(record):
             yield launchers
     finally:
-        ops._kernels, dispatch._runs_kernels = saved
         set_kernels(mode)
