@@ -1,5 +1,5 @@
-"""Every command refuses bad input with one line and exit status 2, before any work, and overwrites nothing unless told
-(the table of issue 13, row by row)."""
+"""Every command refuses bad input with one line and exit status 2, before any work, and overwrites nothing unless
+told, case by case."""
 import os
 import subprocess
 import sys
