@@ -284,3 +284,15 @@ def test_hard_link_is_an_ordinary_file(hub, folder, tmp_path):
     os.link(copy / 'README.md', copy / 'CARD.md')
     push_to_hub(copy, REPO_ID)
     assert hub.repos[REPO_ID].refs['main'].files['CARD.md'] == (folder / 'README.md').read_bytes()
+
+
+@pytest.mark.parametrize('make_folder, wrong, to_do', LOAD_REFUSALS)
+def test_finetune_model_refuses_a_bad_folder(folder, tmp_path, make_folder, wrong, to_do):
+    """`finetune --model local-dir:` checks the folder before timm parses its config.json."""
+    from timm_affinediv.train import TrainConfig
+    from timm_affinediv.train.trainer import create_train_model
+    bad = make_folder(folder, tmp_path)
+    with pytest.raises(HubError) as e:
+        create_train_model(TrainConfig(model=f'local-dir:{bad}', pretrained=True, output=str(tmp_path / 'run')), 1)
+    assert wrong in str(e.value) and to_do in str(e.value)
+    assert not (tmp_path / 'ran').exists()

@@ -17,41 +17,42 @@ import torch.nn as nn
 from .._state_dict import WeightsFile
 from .config import CheckpointError, ConfigError
 
-__all__ = ['resolve_checkpoint', 'prune_checkpoints']
+__all__ = ['resolve_checkpoint', 'prune_checkpoints', 'STATE_FILE', 'MODEL_FILE', 'EMA_FILE', 'read_weights',
+           'load_weights', 'rng_state', 'set_rng_state']
 
 CHECKPOINT_FORMAT = 1
-_STATE_FILE = 'train_state.pt'
-_MODEL_FILE = 'model.safetensors'
-_EMA_FILE = 'ema.safetensors'
+STATE_FILE = 'train_state.pt'
+MODEL_FILE = 'model.safetensors'
+EMA_FILE = 'ema.safetensors'
 
 
 def _weights_file(path: str, what: str) -> str:
     """A weights file, or the `model.safetensors` of a (Hub-format) folder: a folder's other files (a pickled
     `pytorch_model.bin`) are never read."""
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, _MODEL_FILE)):
-            raise ConfigError(f'{what} {path} is a folder without {_MODEL_FILE}; give a folder holding it (a Hub '
+        if not os.path.isfile(os.path.join(path, MODEL_FILE)):
+            raise ConfigError(f'{what} {path} is a folder without {MODEL_FILE}; give a folder holding it (a Hub '
                               'folder, downloaded in full) or a .safetensors / .pth file.')
-        path = os.path.join(path, _MODEL_FILE)
+        path = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(path):
         raise ConfigError(f'{what} {path} not found; give a .safetensors / .pth file or a folder holding '
-                          f'{_MODEL_FILE}.')
+                          f'{MODEL_FILE}.')
     return path
 
 
-def _read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
+def read_weights(path: str, what: str) -> Dict[str, torch.Tensor]:
     """A state dict from a weights file or Hub-format folder, refused in one line when unreadable or not finite
     (`WeightsFile.read`)."""
     return WeightsFile(what, _weights_file(path, what), ConfigError).read()
 
 
-def _load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
+def load_weights(model: nn.Module, state_dict: Dict[str, torch.Tensor], path: str, what: str) -> None:
     WeightsFile(what, path, ConfigError).load_into(model, state_dict)
 
 
 def resolve_checkpoint(path: str) -> str:
     """The checkpoint folder `path` names: a checkpoint folder itself, or a run's output folder (its latest one)."""
-    if os.path.isfile(os.path.join(path, _STATE_FILE)):
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
         return path
     pointer = os.path.join(path, 'checkpoints', 'last.json')
     if os.path.isfile(pointer):
@@ -63,10 +64,10 @@ def resolve_checkpoint(path: str) -> str:
                                   f'{os.path.dirname(pointer)} instead.') from e
         return os.path.join(path, 'checkpoints', name)
     raise CheckpointError(f'no checkpoint at {path}: give a run output folder (with checkpoints/last.json) or a '
-                          f'checkpoint folder (with {_STATE_FILE}).')
+                          f'checkpoint folder (with {STATE_FILE}).')
 
 
-def _rng_state() -> Dict[str, Any]:
+def rng_state() -> Dict[str, Any]:
     """torch / numpy / python RNG states, in types `torch.load(weights_only=True)` accepts."""
     np_state = np.random.get_state()
     state = dict(
@@ -79,7 +80,7 @@ def _rng_state() -> Dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state['torch'])
     name, keys, *rest = state['numpy']
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import _load_weights, _read_weights
+from .checkpoint import load_weights, read_weights
 
 __all__ = ['DistillationLoss', 'create_teacher']
 
@@ -46,7 +46,7 @@ def create_teacher(
     if isinstance(teacher, str):
         model = timm.create_model(teacher, **kwargs)
         if checkpoint:
-            _load_weights(model, _read_weights(checkpoint, 'teacher checkpoint'), checkpoint, 'teacher checkpoint')
+            load_weights(model, read_weights(checkpoint, 'teacher checkpoint'), checkpoint, 'teacher checkpoint')
         else:
             _logger.warning(f"teacher '{teacher}' has no checkpoint: distilling from random weights.")
         teacher = model

@@ -44,6 +44,7 @@ from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from .._hub_folder import check_folder
 from .._io import atomic_dir, atomic_write, save_safetensors
 from ..data import (
     BatchNormalizer,
@@ -60,16 +61,16 @@ from ..data import (
 from ..labels import label_config, with_labels
 from ..layers.binding import bind_patchnorm
 from .checkpoint import (
-    _EMA_FILE,
-    _MODEL_FILE,
-    _STATE_FILE,
     CHECKPOINT_FORMAT,
-    _load_weights,
-    _read_weights,
-    _rng_state,
-    _set_rng_state,
+    EMA_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    load_weights,
     prune_checkpoints,
+    read_weights,
     resolve_checkpoint,
+    rng_state,
+    set_rng_state,
 )
 from .config import (
     AMP_DTYPES,
@@ -116,17 +117,19 @@ def create_train_model(cfg: TrainConfig, in_chans: int) -> nn.Module:
     kwargs.update({k: v for k, v in train_py_args.items() if v is not None and k not in kwargs})
     if ':' not in cfg.model and not timm.is_model(cfg.model):  # 'hf-hub:' / 'local-dir:' names resolve later
         raise ConfigError(f"unknown model '{cfg.model}'; list the names with timm.list_models().")
+    if cfg.model.startswith(('local-dir:', 'hf-hub:')):
+        check_folder(cfg.model)  # timm would parse a broken config.json first, in a traceback
     try:
         model = timm.create_model(cfg.model, pretrained=cfg.pretrained, **kwargs)
     except TypeError as e:  # an argument the architecture lacks (e.g. --bn-momentum: EfficientNet-family models only)
         raise ConfigError(f"{cfg.model} does not take an argument given to it ({e}); leave out that flag or "
                           f"--model-kwargs key.") from e
     if cfg.initial_checkpoint:
-        state_dict = _read_weights(cfg.initial_checkpoint, 'initial checkpoint')
+        state_dict = read_weights(cfg.initial_checkpoint, 'initial checkpoint')
         classes = _classifier_classes(model, state_dict)
         if classes is not None and classes != _head_classes(model) and 'num_classes' not in cfg.model_kwargs:
             model = timm.create_model(cfg.model, **kwargs, num_classes=classes)
-        _load_weights(model, state_dict, cfg.initial_checkpoint, 'initial checkpoint')
+        load_weights(model, state_dict, cfg.initial_checkpoint, 'initial checkpoint')
     return model
 
 
@@ -396,7 +399,7 @@ class Trainer:
         if first_batch:
             start = time.perf_counter()  # a resumed epoch's rate leaves the replay out
         if self._pending_rng is not None:
-            _set_rng_state(self._pending_rng)
+            set_rng_state(self._pending_rng)
             self._pending_rng = None
         if first_batch == 0 and self.evaluation_points is None:  # else the meter spans the evaluations' periods
             self._meter.zero_()
@@ -601,7 +604,7 @@ class Trainer:
                     raise TrainingInterrupted(self.last_checkpoint)  # a stop asked for during evaluation
         if self.stopped == 'plateau':
             self._restore_best()
-        weights_file = os.path.join(self.cfg.output, _MODEL_FILE)
+        weights_file = os.path.join(self.cfg.output, MODEL_FILE)
         if self.is_primary:
             save_safetensors(self.final_model.state_dict(), weights_file)
         self._barrier()
@@ -619,9 +622,9 @@ class Trainer:
         try:
             with open(os.path.join(self.checkpoint_dir, 'best.json')) as f:
                 path = os.path.join(self.checkpoint_dir, json.load(f)['checkpoint'])
-            self.model.load_state_dict(load_file(os.path.join(path, _MODEL_FILE)))
+            self.model.load_state_dict(load_file(os.path.join(path, MODEL_FILE)))
             if self.ema is not None:
-                self.ema.module.load_state_dict(load_file(os.path.join(path, _EMA_FILE)))
+                self.ema.module.load_state_dict(load_file(os.path.join(path, EMA_FILE)))
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f'the best checkpoint under {self.checkpoint_dir} is unreadable ({e}); its weights '
                                   'are the run\'s result: resume from a copy of the run folder that holds it.') from e
@@ -666,7 +669,7 @@ class Trainer:
             dist.barrier()
 
     def _train_state(self, collective: bool) -> Dict[str, Any]:
-        rank_state = dict(rng=_rng_state(), meter=self._meter.cpu())
+        rank_state = dict(rng=rng_state(), meter=self._meter.cpu())
         if collective and self.distributed:
             rank_list: List[Any] = [None] * self.world_size
             dist.all_gather_object(rank_list, rank_state)
@@ -692,10 +695,10 @@ class Trainer:
         if self.is_primary:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             with atomic_dir(path) as tmp:
-                save_safetensors(self.model.state_dict(), os.path.join(tmp, _MODEL_FILE))
+                save_safetensors(self.model.state_dict(), os.path.join(tmp, MODEL_FILE))
                 if self.ema is not None:
-                    save_safetensors(self.ema.module.state_dict(), os.path.join(tmp, _EMA_FILE))
-                torch.save(state, os.path.join(tmp, _STATE_FILE))
+                    save_safetensors(self.ema.module.state_dict(), os.path.join(tmp, EMA_FILE))
+                torch.save(state, os.path.join(tmp, STATE_FILE))
             pointer = json.dumps(dict(checkpoint=name, epoch=self.epoch, update_in_epoch=self.update_in_epoch))
             atomic_write(os.path.join(self.checkpoint_dir, 'last.json'), pointer)
             if is_best:
@@ -710,9 +713,9 @@ class Trainer:
         """Restore model, EMA, optimiser, scheduler, scaler, counters, history and RNG states from a checkpoint
         folder, raising `CheckpointError` when it is unreadable or belongs to another model."""
         try:
-            state = torch.load(os.path.join(path, _STATE_FILE), map_location='cpu', weights_only=True)
-            weights = load_file(os.path.join(path, _MODEL_FILE))
-            ema_weights = load_file(os.path.join(path, _EMA_FILE)) if self.ema is not None else None
+            state = torch.load(os.path.join(path, STATE_FILE), map_location='cpu', weights_only=True)
+            weights = load_file(os.path.join(path, MODEL_FILE))
+            ema_weights = load_file(os.path.join(path, EMA_FILE)) if self.ema is not None else None
         except Exception as e:  # truncated / garbage files raise many different types
             raise CheckpointError(
                 f'checkpoint {path} is unreadable ({type(e).__name__}: {e}); it may be truncated. Resume from another '
