@@ -188,7 +188,7 @@ def test_distillation_lowers_disagreement_with_teacher(teacher_run, tmp_path):
     teacher = _Permuted(original)
     disagreement = {}
     for weight in (0.0, 0.9):
-        cfg = tiny_config(tmp_path / f'w{weight}', distill_weight=weight, distill_temperature=1.0, epochs=1,
+        cfg = tiny_config(tmp_path / f'w{weight}', distill_weight=weight, distill_temperature=1.0, epochs=2,
                           lr=3e-3, train_subset=512, val_subset=256)
         trainer = Trainer(cfg, model=_damaged_copy(original), teacher=teacher)
         reference = predictions(teacher, trainer)
