@@ -9,6 +9,7 @@ from timm_affinediv._io import atomic_write
 
 from .analysis import ANALYSES, plot, summary_row
 from .runs import EXPERIMENTS, FULL, QUICK, RECIPES, Config, longer_budget, settings, tune_and_repeat
+from .spread import native_spreads, spread_table
 
 __all__ = ['run_experiment']
 
@@ -34,6 +35,11 @@ def run_experiment(
     results += longer_budget(results, config, seed, runs_dir, workers, data_root, log)
     rows = [summary_row(*r) for r in results]
     analysis, table = ANALYSES[experiment](rows)
+    if experiment == 'families':
+        analysis['spreads'] = native_spreads(results, config, seed, runs_dir / 'spread', data_root, log)
+        table += ('\nThe divergence factor\'s spread (max / min over 8 test images x 8 positions) in each layer of '
+                  'the native model (first seed, chosen rate), median by kind of layer:\n\n'
+                  + spread_table(analysis['spreads'], analysis['cells']))
     # a tuned setting's first seed is its sweep's best run
     runs = list({(r.setting, r.lr, r.seed): r for _, sweep, final in results for r in sweep + final}.values())
     grid = f'lr grid {list(config.lrs)}'

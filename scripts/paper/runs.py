@@ -82,7 +82,7 @@ QUICK = dict(
     # a two-rate grid always has its best at an edge, and a negative gap sends every family to the longer budget:
     # each step of the protocol runs
     families=Config(256, 128, 128, epochs=1, lrs=(0.5, 1.0), seeds=2, batch_sizes=(32,),
-                    models=('densenet121', 'swin_tiny_patch4_window7_224'), edge_steps=1, long_factor=2,
+                    models=('densenet121', 'mobilenetv3_small_050'), edge_steps=1, long_factor=2,
                     long_gap=-1.0),
 )
 EXPERIMENTS = tuple(FULL)
@@ -203,13 +203,15 @@ def _optimizer(model: nn.Module, recipe: str, lr: float, total_steps: int):
 def train_run(
         build: Callable[[], nn.Module], data: Splits, lr: float, batch_size: int, seed: int,
         epochs: int = 0, steps: int = 0, name: str = '', recipe: str = '',
+        keep: Optional[Callable[[nn.Module], None]] = None,
 ) -> RunResult:
     """ Train `build()` from seed `seed` for `steps` updates (or `epochs` passes) and evaluate it.
 
     SGD (momentum 0.9), learning rate `lr` decayed by a cosine over all steps, or the optimiser and
     schedule of `RECIPES[recipe]`; cross-entropy, batches drawn from a fresh seeded permutation each
     pass (its last partial batch dropped). A non-finite loss stops the run, which is marked
-    `diverged`. `train_loss` is the mean loss over the last `steps_per_epoch` updates.
+    `diverged`. `train_loss` is the mean loss over the last `steps_per_epoch` updates. `keep` is
+    handed the trained model.
     """
     start_wall, start_cpu = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
@@ -239,6 +241,8 @@ def train_run(
         optimizer.step()
         schedule(step)
         losses.append(loss.item())
+    if keep is not None:
+        keep(model)
     return RunResult(
         name, lr, seed, total_steps,
         val_acc=_accuracy(model, *data.val), test_acc=_accuracy(model, *data.test),
@@ -251,7 +255,7 @@ def train_run(
 _DATA: Dict[Tuple, Splits] = {}
 
 
-def _data(config: Config, size: int, root: Optional[str]) -> Splits:
+def cached_splits(config: Config, size: int, root: Optional[str]) -> Splits:
     """The splits, loaded once per process."""
     key = (config.n_train, config.n_val, config.n_test, size, root)
     if key not in _DATA:
@@ -301,7 +305,7 @@ class RunTask:
 def _train_and_record(task: RunTask) -> RunResult:
     """Worker: train one run and write its JSON record atomically."""
     setting = task.setting
-    data = _data(task.config, 28 if setting.model == 'mlp' else 32, task.data_root)
+    data = cached_splits(task.config, 28 if setting.model == 'mlp' else 32, task.data_root)
     result = train_run(setting.build, data, task.lr, setting.batch_size, task.seed, setting.epochs, setting.steps,
                        name=setting.name, recipe=setting.recipe)
     record = dict(config=asdict(task.config), setting=asdict(setting), run=asdict(result))
