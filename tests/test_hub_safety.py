@@ -296,3 +296,21 @@ def test_finetune_model_refuses_a_bad_folder(folder, tmp_path, make_folder, wron
         create_train_model(TrainConfig(model=f'local-dir:{bad}', pretrained=True, output=str(tmp_path / 'run')), 1)
     assert wrong in str(e.value) and to_do in str(e.value)
     assert not (tmp_path / 'ran').exists()
+
+
+def test_push_uploads_the_files_it_checked_only(hub, folder, tmp_path, monkeypatch):
+    """A file that appears in the folder after the check (a link out, here) is not uploaded."""
+    import timm_affinediv.hub as hub_module
+    copy = _copy(folder, tmp_path)
+    (tmp_path / 'token').write_text(SECRET)
+    plan_upload = hub_module._plan_upload
+
+    def plan_then_add_a_link(*args, **kwargs):
+        plan = plan_upload(*args, **kwargs)
+        (copy / 'late[1].txt').symlink_to(tmp_path / 'token')
+        return plan
+    monkeypatch.setattr(hub_module, '_plan_upload', plan_then_add_a_link)
+    push_to_hub(copy, REPO_ID)
+    files = hub.repos[REPO_ID].refs['main'].files
+    assert set(files) - {'.gitattributes'} == {'README.md', 'config.json', 'model.safetensors'}
+    assert not any(SECRET.encode() in content for content in files.values())

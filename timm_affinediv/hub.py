@@ -21,6 +21,7 @@ would give ``KeyError: 'patchnorm'`` (ResNet) or an unrelated assertion (ConvNeX
 which creates the architecture by that name, turns it into ``ImportError: The model architecture
 'timm_affinediv.<arch> (...)' is not supported in your version of timm (...)``.
 """
+import glob
 import importlib.resources
 import json
 import os
@@ -604,6 +605,8 @@ def push_to_hub(
         return api.upload_folder(
             repo_id=repo_id,
             folder_path=plan.folder,
+            # the files checked and listed, not whatever the folder holds by now
+            allow_patterns=[glob.escape(name) for name, _ in plan.files],
             revision=revision,
             create_pr=create_pr,
             commit_message=commit_message or f'Upload {plan.folder.name} with timm-affinediv',
