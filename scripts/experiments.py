@@ -1,19 +1,21 @@
 """Fashion-MNIST experiments testing the affine divergence paper's claims (the `paper` modules beside this script).
 
-    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all three, full budget
+    python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all four, full budget
     python scripts/experiments.py --only mlp --quick --output runs/quick  # one experiment, seconds
+    python scripts/experiments.py --only families --workers 0 --output docs/results --overwrite  # tables so far
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per
 experiment, and one JSON per run under runs/<experiment>/: a rerun into the same folder skips the
-runs already recorded, so an interrupted grid continues where it stopped.
+runs already recorded, so an interrupted grid continues where it stopped; `--workers 0` trains nothing
+and writes the tables of the settings whose runs are all recorded.
 """
 import sys
 
 import torch
 from paper import EXPERIMENTS, run_experiment
 
-from timm_affinediv.cli import add_deprecated_alias, existing_dir, positive_int, refuse_existing_output, run_main
+from timm_affinediv.cli import add_deprecated_alias, existing_dir, non_negative_int, refuse_existing_output, run_main
 from timm_affinediv.commands import command_parser
 
 
@@ -27,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--data-dir', type=existing_dir,
                         help='Fashion-MNIST folder (default: Debian dataset-fashion-mnist)')
     add_deprecated_alias(parser, '--data-root', '--data-dir', 'data_dir', type=existing_dir)
-    parser.add_argument('--workers', type=positive_int, default=1,
-                        help='worker processes, one run and one torch thread each (default 1: in this process)')
+    parser.add_argument('--workers', type=non_negative_int, default=1,
+                        help='worker processes, one run and one torch thread each (default 1: in this process; '
+                             '0: train nothing, write the tables of the runs recorded so far)')
     parser.add_argument('--overwrite', action='store_true',
                         help="replace the experiments' earlier tables in --output (run records already there are "
                              'reused)')

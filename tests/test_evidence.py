@@ -319,3 +319,15 @@ def _check_quick_families(out: Path) -> None:
     # the verdicts' header and rows, then the spreads' header and rows
     assert sum(line.startswith('| ') for line in table.splitlines()) == len(cells) + 1 + len(spreads) + 1
     assert _is_png(out / 'families.png')
+    # without workers nothing trains: the same tables, then without the setting whose record is gone
+    lines = []
+    assert run_experiment('families', str(out), seed=1, quick=True, workers=0, log=lines.append) == record['rows']
+    assert (out / 'families.md').read_text() == table and not any('val ' in line for line in lines)
+    lost = short[-1]
+    for path in (out / 'runs' / 'families').glob(f"{lost['model']}-{lost['variant']}-bs*-ep{lost['epochs']}-*.json"):
+        path.unlink()
+        break
+    rows = run_experiment('families', str(out), seed=1, quick=True, workers=0, log=lines.append)
+    kept = {(r['model'], r['variant'], r['epochs']) for r in rows}
+    assert (lost['model'], lost['variant'], lost['epochs']) not in kept
+    assert len(rows) < len(record['rows']) and any('not recorded' in line for line in lines)

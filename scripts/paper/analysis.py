@@ -217,6 +217,8 @@ def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, obj
 
     verdicts = []
     for (model, epochs), by in cells.items():
+        if 'native' not in by or 'patchnorm' not in by:  # a partial record (`workers=0`)
+            continue
         native, patch = by['native'], by['patchnorm']
         diff, half = difference_interval(patch['test_by_seed'], native['test_by_seed'])
         verdict = _verdict(diff, half)

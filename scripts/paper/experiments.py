@@ -21,7 +21,8 @@ def run_experiment(
     """ Run one experiment and write `<output>/<experiment>.{json,md,png}` and `<output>/runs/<experiment>/`.
 
     `config` overrides the full (or `quick`) budget. Seeds are `seed, seed + 1, ...`; the learning
-    rate is tuned with `seed`. Runs already recorded under `runs/` are read back, not rerun.
+    rate is tuned with `seed`. Runs already recorded under `runs/` are read back, not rerun;
+    `workers=0` trains none and writes the tables of the settings recorded so far.
     Returns one summary row per setting (and per longer budget, where the config asks for one).
     """
     if experiment not in EXPERIMENTS:
@@ -32,14 +33,16 @@ def run_experiment(
     runs_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = tune_and_repeat(settings(experiment, config), config, seed, runs_dir, workers, data_root, log)
+    if experiment == 'families':  # before the longer budget, the costliest step
+        spreads = native_spreads(results, config, seed, runs_dir / 'spread', data_root, log, train=workers > 0)
     results += longer_budget(results, config, seed, runs_dir, workers, data_root, log)
     rows = [summary_row(*r) for r in results]
     analysis, table = ANALYSES[experiment](rows)
     if experiment == 'families':
-        analysis['spreads'] = native_spreads(results, config, seed, runs_dir / 'spread', data_root, log)
+        analysis['spreads'] = spreads
         table += ('\nThe divergence factor\'s spread (max / min over 8 test images x 8 positions) in each layer of '
                   'the native model (first seed, chosen rate), median by kind of layer:\n\n'
-                  + spread_table(analysis['spreads'], analysis['cells']))
+                  + spread_table(spreads, analysis['cells']))
     # a tuned setting's first seed is its sweep's best run
     runs = list({(r.setting, r.lr, r.seed): r for _, sweep, final in results for r in sweep + final}.values())
     grid = f'lr grid {list(config.lrs)}'

@@ -318,11 +318,14 @@ def _one_thread() -> None:
 
 
 def _run_all(tasks: List[RunTask], config: Config, workers: int, log: Callable[[str], None]) -> None:
-    """Train every task whose record is missing, on `workers` processes (1: in this process)."""
+    """Train every task whose record is missing, on `workers` processes (1: in this process; 0: none)."""
     todo = [t for t in tasks if _load_run(t.path, config) is None]
     if len(todo) < len(tasks):
         log(f'{len(tasks) - len(todo)} of {len(tasks)} runs already recorded, skipped')
     if not todo:
+        return
+    if workers == 0:
+        log(f'{len(todo)} runs not recorded: their settings are left out')
         return
 
     def report(result: RunResult) -> None:
@@ -342,9 +345,14 @@ def _best(sweep: Sequence[RunResult]) -> RunResult:
     return max(sweep, key=lambda r: (not r.diverged, r.val_acc))
 
 
+def _recorded(runs: Sequence[Optional[RunResult]]) -> Optional[List[RunResult]]:
+    """The runs, or None where one is not recorded (`workers=0` trains none)."""
+    return None if any(r is None for r in runs) else list(runs)
+
+
 def _grown(grid: List[float], best: float) -> Optional[float]:
-    """The rate one step past the grid's edge where `best` is, or None where it is inside (or the grid one rate
-    wide but for its first growth, which goes up)."""
+    """The rate one step past the grid's edge where `best` is, or None where it is inside (a grid of one rate grows
+    up)."""
     ratio = grid[1] / grid[0] if len(grid) > 1 else 2.0
     if best == grid[-1]:
         return grid[-1] * ratio
@@ -359,7 +367,8 @@ def tune_and_repeat(
 ) -> List[Tuple[Setting, List[RunResult], List[RunResult]]]:
     """ Per setting: the learning-rate sweep (first seed) and the runs of every seed at the best rate. The sweep
     grows past an edge holding the best rate up to `config.edge_steps` times (the rates a setting adds are run
-    before any setting's next growth, so the workers stay busy). """
+    before any setting's next growth, so the workers stay busy). With `workers=0` nothing is trained, and the
+    settings whose runs are not all recorded are left out. """
     def task(s, lr, sd):
         return RunTask(s, lr, sd, config, str(runs_dir), data_root)
 
@@ -369,18 +378,23 @@ def tune_and_repeat(
     grids = {s: sorted(s.lr_grid(config)) for s in settings_}
     _run_all([task(s, lr, seed) for s in settings_ for lr in grids[s]], config, workers, log)
     for _ in range(config.edge_steps):
-        grown = {s: _grown(grids[s], _best([load(s, lr, seed) for lr in grids[s]]).lr) for s in settings_}
-        grown = {s: lr for s, lr in grown.items() if lr is not None}
+        grown = {}
+        for s in settings_:
+            sweep = _recorded([load(s, lr, seed) for lr in grids[s]])
+            rate = _grown(grids[s], _best(sweep).lr) if sweep else None
+            if rate is not None:
+                grown[s] = rate
         if not grown:
             break
         for s, lr in grown.items():
             grids[s] = sorted(grids[s] + [lr])
         _run_all([task(s, lr, seed) for s, lr in grown.items()], config, workers, log)
-    sweeps = {s: [load(s, lr, seed) for lr in grids[s]] for s in settings_}
-    best = {s: _best(sweep).lr for s, sweep in sweeps.items()}
+    sweeps = {s: _recorded([load(s, lr, seed) for lr in grids[s]]) for s in settings_}
+    best = {s: _best(sweep).lr for s, sweep in sweeps.items() if sweep}
     seeds = range(seed, seed + config.seeds)
-    _run_all([task(s, best[s], sd) for s in settings_ for sd in seeds[1:]], config, workers, log)
-    return [(s, sweeps[s], [load(s, best[s], sd) for sd in seeds]) for s in settings_]
+    _run_all([task(s, best[s], sd) for s in best for sd in seeds[1:]], config, workers, log)
+    finals = {s: _recorded([load(s, best[s], sd) for sd in seeds]) for s in best}
+    return [(s, sweeps[s], finals[s]) for s in settings_ if finals.get(s)]
 
 
 def longer_budget(
@@ -389,18 +403,20 @@ def longer_budget(
 ) -> List[Tuple[Setting, List[RunResult], List[RunResult]]]:
     """ The models whose variants' mean validation accuracy spans more than `config.long_gap` points, trained
     `config.long_factor` times as long, every seed at the rate each variant chose at the short budget (no sweep:
-    it would cost the factor again per rate). """
+    it would cost the factor again per rate); the cheapest models first, so that an interrupted experiment has
+    the most of them. With `workers=0` nothing is trained and unrecorded settings are left out. """
     if not config.long_factor:
         return []
     by_model: Dict[str, List[Tuple[Setting, List[RunResult], List[RunResult]]]] = {}
     for r in results:
         by_model.setdefault(r[0].model, []).append(r)
     chosen = []
-    for own in by_model.values():
+    for own in sorted(by_model.values(), key=lambda own: sum(run.cpu_s for _, _, final in own for run in final)):
         val = [float(np.mean([run.val_acc for run in final])) for _, _, final in own]
         if max(val) - min(val) > config.long_gap:
             chosen += [(replace(s, epochs=s.epochs * config.long_factor), final[0].lr) for s, _, final in own]
     seeds = range(seed, seed + config.seeds)
     _run_all([RunTask(s, lr, sd, config, str(runs_dir), data_root) for s, lr in chosen for sd in seeds],
              config, workers, log)
-    return [(s, [], [_load_run(_run_path(runs_dir, s, lr, sd), config) for sd in seeds]) for s, lr in chosen]
+    finals = [(s, _recorded([_load_run(_run_path(runs_dir, s, lr, sd), config) for sd in seeds])) for s, lr in chosen]
+    return [(s, [], final) for s, final in finals if final]

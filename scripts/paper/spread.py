@@ -44,11 +44,12 @@ def layer_spreads(model: nn.Module, images: torch.Tensor, samples: int = 8, posi
 
 def native_spreads(
         results: Sequence[Tuple[Setting, List[RunResult], List[RunResult]]], config: Config, seed: int,
-        folder: Path, data_root, log: Callable[[str], None],
+        folder: Path, data_root, log: Callable[[str], None], train: bool = True,
 ) -> Dict[str, Dict[str, Dict[str, float]]]:
     """ For each model's native variant at the short budget: the first seed's run at the chosen rate again (the same
     weights: a run is determined by its seed), and the median and count of its layers' spreads by kind on the first
-    test images; each model's written to `folder` and read back from there on a rerun. """
+    test images; each model's written to `folder` and read back from there on a rerun (without `train`, the models
+    not measured yet are left out). """
     data = cached_splits(config, 32, data_root)
     out: Dict[str, Dict[str, Dict[str, float]]] = {}
     for setting, _, final in results:
@@ -57,6 +58,8 @@ def native_spreads(
         path = folder / f'{setting.name}-lr{final[0].lr:g}-seed{seed}.json'
         if path.is_file():
             out[setting.model] = json.loads(path.read_text())
+            continue
+        if not train:
             continue
         kept: List[nn.Module] = []
         train_run(setting.build, data, final[0].lr, setting.batch_size, seed, setting.epochs, setting.steps,
@@ -81,6 +84,9 @@ def spread_table(spreads: Dict[str, Dict[str, Dict[str, float]]], cells: Sequenc
     lines = ['| family | native norm | ' + ' | '.join(f'{k}: layers, median spread' for k in KINDS)
              + ' | patchnorm - native |', '|---|---|' + '---:|' * (len(KINDS) + 1)]
     for model, by_kind in spreads.items():
+        if model not in short:
+            continue
+
         def cell(kind):
             v = by_kind[kind]
             return f"{v['layers']}, {v['median']:.3g}" if v['layers'] else '-'
