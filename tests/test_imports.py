@@ -170,3 +170,23 @@ def test_every_error_in_errors_py_is_an_affinediv_error_with_a_builtin_base(name
                      if base.__module__ == 'builtins' and base not in (Exception, BaseException, object)]
     assert builtin_bases or error is errors.AffineDivError, \
         f'{name} keeps no builtin base, so `except <builtin>` around the call that raises it misses it'
+
+
+def _private_timm_imports(path: Path) -> Iterator[str]:
+    """The private timm modules and names `path` imports (`timm.models._hub`, `from timm.layers import _x`)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding='utf-8'))):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or '').split('.')[0] == 'timm':
+            if any(p.startswith('_') for p in node.module.split('.')):
+                yield f'{_where(path, node)}: from {node.module} import ...'
+            yield from (f'{_where(path, node)}: from {node.module} import {a.name}' for a in node.names
+                        if a.name.startswith('_') and not a.name.startswith('__'))
+        elif isinstance(node, ast.Import):
+            yield from (f'{_where(path, node)}: import {a.name}' for a in node.names
+                        if a.name.split('.')[0] == 'timm' and any(p.startswith('_') for p in a.name.split('.')))
+
+
+def test_timm_private_names_are_reached_through_timm_compat_only():
+    outside = [line for module, path in MODULES.items() if module != '_timm_compat'
+               for line in _private_timm_imports(path)]
+    assert not outside, 'timm private names outside timm_affinediv/_timm_compat.py:\n' + '\n'.join(outside)
+    assert any(_private_timm_imports(MODULES['_timm_compat'])), 'the walk finds the compat module\'s own imports'

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Dict, Mapping
 
 import safetensors
-from timm.models._hub import download_from_hf
 
+from ._timm_compat import download_from_hf
 from .errors import HubError, MissingFileError
 
 __all__ = ['WEIGHTS_NAME', 'CONFIG_NAME', 'check_folder', 'read_config', 'check_labels', 'missing_weights',

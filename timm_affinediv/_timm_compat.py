@@ -26,7 +26,7 @@ from .errors import TimmVersionError
 __all__ = [
     'TESTED_TIMM', 'ALLOW_UNTESTED_ENV', 'check_timm_version', 'get_model_args', 'get_model_input_config',
     'create_act', 'NORM_MAP', 'NORM_TYPES', 'NORM_ACT_MAP', 'NORM_ACT_TYPES', 'NORM_ACT_REQUIRES_ARG',
-    'NORM_TO_NORM_ACT_MAP', 'CONVNEXT_NORM_MAP', 'save_config_for_hf', 'wrap_init_model_traits',
+    'NORM_TO_NORM_ACT_MAP', 'CONVNEXT_NORM_MAP', 'save_config_for_hf', 'download_from_hf', 'wrap_init_model_traits',
     'wrap_model_entrypoint']
 
 
@@ -45,6 +45,8 @@ CONVNEXT_NORM_MAP: dict = _convnext._NORM_MAP
 #: `timm.models._hub.save_config_for_hf`: the `config.json` half of timm's `save_for_hf`, whose weights half hands
 #: the state dict to safetensors as it is (which refuses a channels-last model's weights)
 save_config_for_hf: Callable = _hub.save_config_for_hf
+#: `timm.models._hub.download_from_hf`: one file of a Hub repo, through timm's cache (the file timm would read)
+download_from_hf: Callable = _hub.download_from_hf
 
 
 def wrap_init_model_traits(wrap: Callable[[Callable], Callable], marker: str) -> None:

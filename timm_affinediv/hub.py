@@ -38,13 +38,12 @@ from huggingface_hub import CommitInfo, EvalResult, HfApi, ModelCard, ModelCardD
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, RemoteEntryNotFoundError
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, FORBIDDEN_FOLDERS, filter_repo_objects, validate_repo_id
 from timm.models import model_entrypoint, register_model
-from timm.models._hub import download_from_hf
 from torch import nn
 
 from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_file, missing_weights, read_config
 from ._io import atomic_dir, save_safetensors
 from ._state_dict import check_finite, describe_mismatch
-from ._timm_compat import get_model_input_config, save_config_for_hf
+from ._timm_compat import download_from_hf, get_model_input_config, save_config_for_hf
 from .errors import HubError, OptionError, OutputExistsError
 from .labels import LABEL_KEYS, model_labels
 from .layers.binding import fake_eval
