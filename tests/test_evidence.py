@@ -16,6 +16,7 @@ import torch.nn as nn
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
 from timm_affinediv import AffineDivLinear, L2NormLinear, PatchNormConv2d
 from timm_affinediv.diagnostics import divergence_report, format_report
+from timm_affinediv.errors import MissingFileError
 
 sys.path.insert(0, str(Path(__file__).parents[1] / 'scripts'))  # the paper experiments: scripts/paper
 from paper import (  # noqa: E402
@@ -331,3 +332,5 @@ def _check_quick_families(out: Path) -> None:
     kept = {(r['model'], r['variant'], r['epochs']) for r in rows}
     assert (lost['model'], lost['variant'], lost['epochs']) not in kept
     assert len(rows) < len(record['rows']) and any('not recorded' in line for line in lines)
+    with pytest.raises(MissingFileError, match='no setting of families whose runs are all recorded'):
+        run_experiment('families', str(out / 'empty'), quick=True, workers=0, log=lines.append)

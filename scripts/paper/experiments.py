@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from timm_affinediv._io import atomic_write
+from timm_affinediv.errors import MissingFileError
 
 from .analysis import ANALYSES, plot, summary_row
 from .runs import EXPERIMENTS, FULL, QUICK, RECIPES, Config, longer_budget, settings, tune_and_repeat
@@ -33,6 +34,9 @@ def run_experiment(
     runs_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     results = tune_and_repeat(settings(experiment, config), config, seed, runs_dir, workers, data_root, log)
+    if not results:
+        raise MissingFileError(f'{runs_dir} holds no setting of {experiment} whose runs are all recorded: run it with '
+                               '--workers 1 or more first')
     if experiment == 'families':  # before the longer budget, the costliest step
         spreads = native_spreads(results, config, seed, runs_dir / 'spread', data_root, log, train=workers > 0)
     results += longer_budget(results, config, seed, runs_dir, workers, data_root, log)
