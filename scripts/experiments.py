@@ -2,7 +2,7 @@
 
     python scripts/experiments.py --output docs/results --workers 2 --overwrite  # all four, full budget
     python scripts/experiments.py --only mlp --quick --output runs/quick  # one experiment, seconds
-    python scripts/experiments.py --only families --workers 0 --output docs/results --overwrite  # tables so far
+    python scripts/experiments.py --only mlp --quick --workers 0 --output runs/quick --overwrite  # tables, no runs
     python scripts/experiments.py --only batch --seed 1 --output runs/batch-seed1
 
 Writes <experiment>.json (summary and every run), <experiment>.md (tables) and <experiment>.png per
