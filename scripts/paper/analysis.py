@@ -290,7 +290,7 @@ def _plot_families(plt, rows: Sequence[Dict[str, object]], path: Path) -> None:
     against the budget for the families trained longer. """
     analysis, _ = _families_analysis(rows)
     cells = analysis['cells']
-    short = min(c['epochs'] for c in cells)
+    short = min((c['epochs'] for c in cells), default=0)
     models = list(dict.fromkeys(c['model'] for c in cells))
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
     for offset, epochs in enumerate(sorted({c['epochs'] for c in cells})):
