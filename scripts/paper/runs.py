@@ -32,7 +32,7 @@ from .models import (
 )
 
 __all__ = ['Config', 'FULL', 'QUICK', 'EXPERIMENTS', 'Recipe', 'RECIPES', 'Setting', 'settings', 'RunResult',
-           'train_run', 'RunTask', 'tune_and_repeat', 'longer_budget']
+           'train_run', 'RunTask', 'run_path', 'tune_and_repeat', 'longer_budget']
 
 
 @dataclass(frozen=True)
@@ -266,7 +266,7 @@ def cached_splits(config: Config, size: int, root: Optional[str]) -> Splits:
 _DATA_FIELDS = ('n_train', 'n_val', 'n_test')
 
 
-def _run_path(runs_dir: Path, setting: Setting, lr: float, seed: int) -> Path:
+def run_path(runs_dir: Path, setting: Setting, lr: float, seed: int) -> Path:
     return runs_dir / f'{setting.name}-lr{lr:g}-seed{seed}.json'
 
 
@@ -299,7 +299,7 @@ class RunTask:
 
     @property
     def path(self) -> Path:
-        return _run_path(Path(self.runs_dir), self.setting, self.lr, self.seed)
+        return run_path(Path(self.runs_dir), self.setting, self.lr, self.seed)
 
 
 def _train_and_record(task: RunTask) -> RunResult:
@@ -373,7 +373,7 @@ def tune_and_repeat(
         return RunTask(s, lr, sd, config, str(runs_dir), data_root)
 
     def load(s, lr, sd):
-        return _load_run(_run_path(runs_dir, s, lr, sd), config)
+        return _load_run(run_path(runs_dir, s, lr, sd), config)
 
     grids = {s: sorted(s.lr_grid(config)) for s in settings_}
     _run_all([task(s, lr, seed) for s in settings_ for lr in grids[s]], config, workers, log)
@@ -418,5 +418,5 @@ def longer_budget(
     seeds = range(seed, seed + config.seeds)
     _run_all([RunTask(s, lr, sd, config, str(runs_dir), data_root) for s, lr in chosen for sd in seeds],
              config, workers, log)
-    finals = [(s, _recorded([_load_run(_run_path(runs_dir, s, lr, sd), config) for sd in seeds])) for s, lr in chosen]
+    finals = [(s, _recorded([_load_run(run_path(runs_dir, s, lr, sd), config) for sd in seeds])) for s, lr in chosen]
     return [(s, [], final) for s, final in finals if final]

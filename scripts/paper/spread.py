@@ -17,7 +17,7 @@ import torch.nn as nn
 from timm_affinediv._io import atomic_write
 from timm_affinediv.diagnostics import divergence_report
 
-from .runs import Config, RunResult, Setting, cached_splits, train_run
+from .runs import Config, RunResult, Setting, cached_splits, run_path, train_run
 
 __all__ = ['KINDS', 'layer_kind', 'layer_spreads', 'native_spreads', 'spread_table']
 
@@ -55,7 +55,7 @@ def native_spreads(
     for setting, _, final in results:
         if setting.variant != 'native' or setting.epochs != config.epochs:
             continue
-        path = folder / f'{setting.name}-lr{final[0].lr:g}-seed{seed}.json'
+        path = run_path(folder, setting, final[0].lr, seed)
         if path.is_file():
             out[setting.model] = json.loads(path.read_text())
             continue
