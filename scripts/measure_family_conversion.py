@@ -8,13 +8,18 @@ forward passes of the original over the calibration images and in epochs of the 
 The conversion reads the images `timm-affinediv convert` reads (`model_io.conversion_images`): `--calib-batches`
 batches of 64 training images, the next `--heldout-images` held out, the next `--distill-images` for the
 distillation (with train-time augmentation). Without `--checkpoint`, each original is trained first by the recipe's
-plain loop and kept under `--runs/RECIPE/MODEL` (docs/families.md's conversion table):
+plain loop and kept under `--runs/RECIPE/MODEL`, with `train.json` (its schedule and held-out curve) beside it:
 
-- `adamw`: AdamW (lr 3e-3, weight decay 0.05, one-cycle), 2 epochs of 4000 images, batch 64;
-- `sgd`: SGD (momentum 0.9, Nesterov, lr 0.05, weight decay 5e-4, 5% warm-up then cosine), 2 epochs of 20000 images,
-  batch 128;
+- `adamw`: AdamW (lr 3e-3, weight decay 0.05), epochs of 4000 images, batch 64;
+- `sgd`: SGD (momentum 0.9, Nesterov, lr 0.05, weight decay 5e-4), epochs of 20000 images, batch 128;
 
-no augmentation, BatchNorm statistics re-estimated on 2048 training images.
+no augmentation, BatchNorm statistics re-estimated on 2048 training images. By default an original trains until it
+stops improving, as a published checkpoint does: a warm-up over half an epoch, then the peak rate until the best
+top-1 on 2000 held-out training images (the last of the split's fixed order: never trained, calibrated or distilled
+on) has risen by less than 0.3 points an epoch over the last two epochs (at most 30 epochs), then a cosine to 0 over
+a further fifth of the epochs run. `--epochs E` trains E epochs instead, the schedule spanning them (adamw:
+one-cycle; sgd: 5% warm-up then cosine), kept under `--runs/RECIPE-Eep/MODEL`; docs/families.md's conversion table
+is `--epochs 2`.
 
     python scripts/measure_family_conversion.py                       # every family, both recipes: the table
     python scripts/measure_family_conversion.py --models tinynet_e regnetx_002 --recipes sgd --train-only
@@ -29,42 +34,76 @@ import math
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from paper.models import FAMILIES
-from safetensors.torch import save_file
+from timm.data import create_transform
 from timm.utils import ParseKwargs
+from torch.utils.data import DataLoader, Subset
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv._io import atomic_write, save_safetensors
 from timm_affinediv.cli import non_negative_int, positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
-from timm_affinediv.data import create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.data import create_eval_loader, create_image_dataset, resolve_dataset_data_config
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 
 
 @dataclass
 class Recipe:
     """How an original is trained: the optimiser, its peak learning rate and weight decay, epochs over the first
-    `images` training images (a fixed random subset), the batch."""
+    `images` training images (a fixed random subset), the batch. `epochs` None: until held-out top-1 stops rising
+    (`train`)."""
     optimizer: str
     lr: float
     weight_decay: float
-    epochs: int
     images: int
     batch_size: int
+    epochs: Optional[int] = None
+
+    def folder(self, name: str) -> str:
+        """The recipe's folder under --runs: its name, with the epochs where they are fixed."""
+        return name if self.epochs is None else f'{name}-{self.epochs}ep'
 
 
 RECIPES = {
-    'adamw': Recipe('adamw', 3e-3, 0.05, epochs=2, images=4000, batch_size=64),
-    'sgd': Recipe('sgd', 0.05, 5e-4, epochs=2, images=20000, batch_size=128),
+    'adamw': Recipe('adamw', 3e-3, 0.05, images=4000, batch_size=64),
+    'sgd': Recipe('sgd', 0.05, 5e-4, images=20000, batch_size=128),
 }
+#: The plateau rule: held-out top-1 points an epoch, on this many held-out training images, within this many epochs
+PLATEAU_RISE, PLATEAU_IMAGES, MAX_EPOCHS = 0.3, 2000, 30
+#: The cosine after the plateau, as a share of the epochs run before it
+DECAY_SHARE = 0.2
+#: The name of an original's training record, beside its weights
+TRAINING_RECORD = 'train.json'
+
+
+@dataclass
+class Schedule:
+    """ The learning rate's factor at update `s` (0-based): `(s + 1) / warmup` over the warm-up, 1 until
+    `decay_from`, then `(1 + cos(pi (s - decay_from) / (total - decay_from))) / 2`, reaching 0 at `total`."""
+    warmup: int
+    decay_from: Optional[int] = None
+    total: Optional[int] = None
+
+    def __call__(self, s: int) -> float:
+        if s < self.warmup:
+            return (s + 1) / self.warmup
+        if self.decay_from is None or s < self.decay_from:
+            return 1.
+        return 0.5 * (1 + math.cos(math.pi * min(1., (s - self.decay_from) / max(1, self.total - self.decay_from))))
+
+    def scaled(self, steps: int) -> 'Schedule':
+        """The same shape over `steps` updates: each phase the same share of the run."""
+        share = steps / self.total
+        return Schedule(max(1, round(self.warmup * share)), round(self.decay_from * share), steps)
 
 
 def _kwargs_text(kwargs: Dict[str, Any]) -> str:
@@ -79,7 +118,26 @@ def _tensors(split: str, images: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(xs), torch.cat(ys)
 
 
-def _optimizer(model: nn.Module, recipe: Recipe, steps: int):
+def _tensors_held_out(images: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The last `images` of the training split's fixed random order (seed 0, the order `_tensors` and the conversion
+    take their images from the front of), read with the eval transforms."""
+    cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+    source = create_image_dataset('fashion-mnist', None, 'train', in_chans=1,
+                                  transform=create_transform(**cfg, is_training=False))
+    order = torch.randperm(len(source), generator=torch.Generator().manual_seed(0))[-images:]
+    xs, ys = zip(*DataLoader(Subset(source, order.sort().values.tolist()), batch_size=500))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _optimizer(model: nn.Module, recipe: Recipe, steps: int, schedule: Optional[Schedule] = None):
+    """The recipe's optimiser and, per update, `schedule`'s factor of its rate, or (None) its fixed-epochs schedule
+    spanning `steps` updates."""
+    if schedule is not None:
+        optimizer = (torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+                     if recipe.optimizer == 'adamw' else
+                     torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
+                                     weight_decay=recipe.weight_decay))
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if recipe.optimizer == 'adamw':
         optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
         return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=steps)
@@ -99,20 +157,55 @@ def _step(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tenso
     schedule.step()
 
 
-def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: int = 0) -> None:
-    """The original, by `recipe`'s plain loop, no augmentation; BatchNorm statistics then re-estimated on 2048 of the
-    images (the eval-mode model is the one trained)."""
+def _epoch(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+    """One pass over (x, y) in a new random order, in whole batches."""
+    model.train()
+    order = torch.randperm(len(x))
+    for i in range(len(x) // batch_size):
+        batch = order[i * batch_size:(i + 1) * batch_size]
+        _step(model, optimizer, schedule, x[batch], y[batch])
+
+
+def _top1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    model.eval()
+    return (_predictions(model, x) == y).float().mean().item() * 100
+
+
+def plateaued(curve: List[float]) -> bool:
+    """Whether the best held-out top-1 of `curve` (one per epoch) rose by less than `PLATEAU_RISE` points an epoch
+    over its last two epochs (at least three epochs in)."""
+    return len(curve) >= 3 and max(curve) - max(curve[:-2]) < 2 * PLATEAU_RISE
+
+
+def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: int = 0) -> Dict[str, Any]:
+    """The original, by `recipe`'s plain loop, no augmentation, for its epochs or (None) until `plateaued` then a
+    cosine over a further `DECAY_SHARE` of them; BatchNorm statistics then re-estimated on 2048 of the images (the
+    eval-mode model is the one trained). Its weights go to `path`, its record (`load_training`) beside them."""
+    start = time.perf_counter()
     x, y = _tensors('train', recipe.images)
     torch.manual_seed(seed)
     model = timm.create_model(name, num_classes=10, in_chans=1, **kwargs)
     per_epoch = len(x) // recipe.batch_size
-    optimizer, schedule = _optimizer(model, recipe, recipe.epochs * per_epoch)
+    record: Dict[str, Any] = dict(steps_per_epoch=per_epoch, heldout_images=PLATEAU_IMAGES, schedule=None)
+    if recipe.epochs is not None:
+        optimizer, schedule = _optimizer(model, recipe, recipe.epochs * per_epoch)
+        for _ in range(recipe.epochs):
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+        record.update(epochs=recipe.epochs)
+    else:
+        hx, hy = _tensors_held_out(PLATEAU_IMAGES)
+        plan = Schedule(warmup=max(1, per_epoch // 2))
+        optimizer, schedule = _optimizer(model, recipe, 0, plan)
+        curve: List[float] = []
+        while not plateaued(curve) and len(curve) < MAX_EPOCHS:
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+            curve.append(_top1(model, hx, hy))
+        decay_epochs = max(1, math.ceil(DECAY_SHARE * len(curve)))
+        plan.decay_from, plan.total = len(curve) * per_epoch, (len(curve) + decay_epochs) * per_epoch
+        for _ in range(decay_epochs):
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+        record.update(epochs=len(curve) + decay_epochs, heldout_curve=curve, schedule=asdict(plan))
     model.train()
-    for _ in range(recipe.epochs):
-        order = torch.randperm(len(x))
-        for i in range(per_epoch):
-            batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
-            _step(model, optimizer, schedule, x[batch], y[batch])
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -120,8 +213,19 @@ def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: i
                 m.momentum = None
         for i in range(0, 2048, 256):
             model(x[i:i + 256])
+    if recipe.epochs is None:
+        record['heldout_top1'] = _top1(model, hx, hy)
+    record['seconds'] = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(model.state_dict(), str(path))
+    save_safetensors(model.state_dict(), path)
+    atomic_write(path.with_name(TRAINING_RECORD), json.dumps(record, indent=1))
+    return record
+
+
+def load_training(path: Path) -> Dict[str, Any]:
+    """The record `train` wrote beside the weights at `path`: epochs, updates an epoch, schedule (None: the fixed
+    epochs' own), held-out curve and top-1, seconds."""
+    return json.loads(path.with_name(TRAINING_RECORD).read_text())
 
 
 def epoch_seconds(model: nn.Module, recipe: Recipe, steps: int = 6) -> float:
@@ -216,7 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument('--checkpoint', help='the trained weights (safetensors) of the one model of --models, '
                                              'trained by the one recipe of --recipes')
     parser.add_argument('--runs', default='runs/family-conversion', help='where the trained originals are kept')
-    parser.add_argument('--epochs', type=positive_int, help="the recipes' epochs (default: each recipe's)")
+    parser.add_argument('--epochs', type=positive_int,
+                        help="the originals' epochs, the schedule spanning them (default: until held-out top-1 "
+                             'stops rising)')
     parser.add_argument('--train-images', type=positive_int, help="the recipes' images (default: each recipe's)")
     parser.add_argument('--train-only', action='store_true', help='train the missing originals and stop')
     parser.add_argument('--calib-batches', type=positive_int, default=32)
@@ -235,12 +341,12 @@ def main(argv=None) -> int:
     for recipe in args.recipes:
         for name in args.models:
             kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
-            checkpoint = args.checkpoint or str(Path(args.runs) / recipe / name / 'model.safetensors')
+            folder = RECIPES[recipe].folder(recipe)
+            checkpoint = args.checkpoint or str(Path(args.runs) / folder / name / 'model.safetensors')
             if not args.checkpoint and not Path(checkpoint).is_file():
-                start = time.perf_counter()
-                train(name, kwargs, Path(checkpoint), RECIPES[recipe])
-                print(f'trained {name} ({recipe}) in {time.perf_counter() - start:.0f} s: {checkpoint}',
-                      file=sys.stderr)
+                record = train(name, kwargs, Path(checkpoint), RECIPES[recipe])
+                print(f"trained {name} ({recipe}, {record['epochs']} epochs) in {record['seconds']:.0f} s: "
+                      f'{checkpoint}', file=sys.stderr)
             if args.train_only:
                 continue
             measured = measure(name, recipe, kwargs, checkpoint, args)
@@ -256,7 +362,8 @@ def main(argv=None) -> int:
         print('\n'.join(rows))
         if not args.checkpoint:
             command = ['python', 'scripts/measure_family_conversion.py', '--models', *args.models, '--recipes',
-                       *args.recipes, '--runs', args.runs, '--train-only']
+                       *args.recipes, '--runs', args.runs, *(['--epochs', str(args.epochs)] if args.epochs else []),
+                       '--train-only']
             print(f'\noriginals trained by: {shlex.join(command)}')
     return 0
 

@@ -29,12 +29,23 @@ from typing import Any, Dict, List, Optional
 
 import timm
 import torch
-from measure_family_conversion import RECIPES, Recipe, _kwargs_text, _optimizer, _predictions, _step, _tensors, train
+from measure_family_conversion import (
+    RECIPES,
+    Recipe,
+    Schedule,
+    _kwargs_text,
+    _optimizer,
+    _predictions,
+    _step,
+    _tensors,
+    load_training,
+    train,
+)
 from paper.models import FAMILIES
-from safetensors.torch import save_file
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401
+from timm_affinediv._io import save_safetensors
 from timm_affinediv.cli import non_negative_int, positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
@@ -50,28 +61,32 @@ QUICK = dict(models=['resnet18'], recipes=['adamw'], budgets=[0.5, 1.0], epochs=
              calib_batches=2, heldout_images=64, distill_images=128, test_images=64)
 
 
-def train_scratch(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, images: int, seed: int = 0) -> None:
-    """`name` with `norm_layer='patchnorm'` trained from scratch by `recipe`'s optimiser and schedule (spanning the
-    run) on `images` of the original's training images: passes over them, each in a new random order."""
+def train_scratch(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, images: int,
+                  schedule: Optional[Schedule], seed: int = 0) -> None:
+    """`name` with `norm_layer='patchnorm'` trained from scratch by `recipe`'s optimiser and the original's schedule
+    (`schedule` scaled to the run, or None: the fixed epochs' schedule spanning it) on `images` of the original's
+    training images: passes over them, each in a new random order."""
     x, y = _tensors('train', recipe.images)
     torch.manual_seed(seed)
     model = timm.create_model(name, num_classes=10, in_chans=1, norm_layer='patchnorm', **kwargs)
     steps = max(1, images // recipe.batch_size)
-    optimizer, schedule = _optimizer(model, recipe, steps)
+    optimizer, schedule = _optimizer(model, recipe, steps, schedule and schedule.scaled(steps))
     order = torch.cat([torch.randperm(len(x)) for _ in range(math.ceil(steps * recipe.batch_size / len(x)))])
     model.train()
     for i in range(steps):
         batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
         _step(model, optimizer, schedule, x[batch], y[batch])
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(model.state_dict(), str(path))
+    save_safetensors(model.state_dict(), path)
 
 
-def scratch_top1(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, images: int, args) -> float:
+def scratch_top1(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, images: int,
+                 schedule: Optional[Schedule], args) -> float:
     """Test top-1 (%) of PatchNorm trained from scratch on `images` images (`train_scratch`), kept under --runs."""
-    path = Path(args.runs) / recipe_name / f'{name}-patchnorm-{images}-of-{recipe.images}' / 'model.safetensors'
+    path = (Path(args.runs) / recipe.folder(recipe_name) / f'{name}-patchnorm-{images}-of-{recipe.images}'
+            / 'model.safetensors')
     if not path.is_file():
-        train_scratch(name, kwargs, path, recipe, images)
+        train_scratch(name, kwargs, path, recipe, images, schedule)
     model = load_trained_model(name, checkpoint=str(path), num_classes=10, in_chans=1, norm_layer='patchnorm',
                                **kwargs)
     x, y = _tensors('validation', args.test_images)
@@ -93,7 +108,7 @@ def converted_model(original: torch.nn.Module, args) -> torch.nn.Module:
 def row_key(row: Dict[str, Any]) -> tuple:
     """What makes two rows the same measurement."""
     return tuple(json.dumps(row[k], sort_keys=True) for k in (
-        'model', 'model_kwargs', 'recipe', 'budget', 'train_images', 'original_epochs', 'test_images', 'options',
+        'model', 'model_kwargs', 'recipe', 'budget', 'train_images', 'fixed_epochs', 'test_images', 'options',
         'convert_options'))
 
 
@@ -103,28 +118,32 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
     scratch; each appended to --json as it is measured."""
     options = {**MEASURED, **args.recover_kwargs}
     base = dict(model=name, model_kwargs=_kwargs_text(kwargs), recipe=recipe_name, train_images=recipe.images,
-                original_epochs=recipe.epochs, test_images=args.test_images, options=options,
+                fixed_epochs=recipe.epochs, test_images=args.test_images, options=options,
                 convert_options=args.convert_kwargs)
     todo = [b for b in budgets if row_key(dict(base, budget=b)) not in done]
     if not todo:
         return []
-    checkpoint = Path(args.runs) / recipe_name / name / 'model.safetensors'
+    checkpoint = Path(args.runs) / recipe.folder(recipe_name) / name / 'model.safetensors'
     if not checkpoint.is_file():
         train(name, kwargs, checkpoint, recipe)
+    training = load_training(checkpoint)
+    schedule = training['schedule'] and Schedule(**training['schedule'])
+    base.update(original_epochs=training['epochs'], original_seconds=training['seconds'])
     original = load_trained_model(name, checkpoint=str(checkpoint), num_classes=10, in_chans=1, **kwargs)
     converted = converted_model(original, args)
-    full = scratch_top1(name, kwargs, recipe_name, recipe, recipe.epochs * recipe.images, args)
+    full = scratch_top1(name, kwargs, recipe_name, recipe, training['epochs'] * recipe.images, schedule, args)
     rows = []
     for budget in todo:
         start = time.perf_counter()
+        output = Path(args.output) / recipe.folder(recipe_name) / name / f'epochs-{budget:g}'
         train_cfg = TrainConfig(dataset='fashion-mnist', train_subset=recipe.images, val_subset=args.test_images,
-                                workers=args.workers, progress=False,
-                                output=str(Path(args.output) / recipe_name / name / f'epochs-{budget:g}'))
+                                workers=args.workers, progress=False, output=str(output))
         _, report = recover_model(original, copy.deepcopy(converted), RecoverOptions(epochs=budget, **options),
                                   train=train_cfg)
         row = dict(base, budget=budget, images=report.images, original=report.original_top1,
                    converted=report.converted_top1, recovered=report.recovered_top1, stopped=report.stopped,
-                   scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, args), scratch_full=full,
+                   scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, schedule, args),
+                   scratch_full=full,
                    seconds=time.perf_counter() - start)
         rows.append(row)
         print(table_row(row), file=sys.stderr, flush=True)
@@ -139,6 +158,40 @@ def table_row(m: Dict[str, Any]) -> str:
     return (f"| {label} | {m['recipe']} | {m['budget']:g} | {m['images']} | {m['original']:.2f} | "
             f"{m['converted']:.2f} | **{m['recovered']:.2f}** | {m['recovered'] - m['original']:+.2f} | "
             f"{m['scratch']:.2f} | {m['scratch_full']:.2f} |")
+
+
+def verdict(last: Dict[str, Any]) -> str:
+    """Convert or train from scratch, from the row of the largest budget: convert where the recovered model is within
+    0.3 points of PatchNorm from scratch on the original's whole budget; and whether it is within 0.3 of the better
+    of that and the original (the target)."""
+    bar = max(last['original'], last['scratch_full'])
+    choice = ('convert' if last['recovered'] >= last['scratch_full'] - 0.3 else
+              f"from scratch (+{last['scratch_full'] - last['recovered']:.2f})")
+    missed = bar - 0.3 - last['recovered']
+    return choice + ('; target met' if missed <= 0 else f'; target missed by {missed:.2f}')
+
+
+def summary_table(rows: List[Dict[str, Any]]) -> str:
+    """One line per original (model and recipe): its top-1 and epochs, the conversion's, the recovered after each
+    budget, PatchNorm from scratch on the images of the largest budget and on the original's whole budget, and the
+    `verdict`."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(row_key(dict(r, budget=None)), []).append(r)
+    budgets = sorted({r['budget'] for r in rows})
+    lines = ['| model | recipe | original (epochs) | converted | '
+             + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
+             + ' | from scratch, same images | from scratch, whole budget | verdict |',
+             '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---|']
+    for group in groups.values():
+        by_budget = {r['budget']: r for r in group}
+        last = by_budget[max(by_budget)]
+        label = f"`{last['model']}`"
+        cells = [f"{by_budget[b]['recovered']:.2f}" if b in by_budget else '' for b in budgets]
+        lines.append(f"| {label} | {last['recipe']} | {last['original']:.2f} ({last['original_epochs']}) | "
+                     f"{last['converted']:.2f} | " + ' | '.join(cells) + f" | {last['scratch']:.2f} | "
+                     f"{last['scratch_full']:.2f} | {verdict(last)} |")
+    return '\n'.join(lines)
 
 
 def read_rows(path: Optional[str]) -> List[Dict[str, Any]]:
@@ -160,7 +213,9 @@ def main(argv=None) -> int:
                         help='where the trained originals (shared with measure_family_conversion) and the PatchNorm '
                              'models trained from scratch are kept')
     parser.add_argument('--output', default='runs/family-recovery', help="the recovery runs' folders")
-    parser.add_argument('--epochs', type=positive_int, help="the recipes' epochs (default: each recipe's)")
+    parser.add_argument('--epochs', type=positive_int,
+                        help="the originals' epochs, the schedule spanning them (default: until held-out top-1 "
+                             'stops rising)')
     parser.add_argument('--train-images', type=positive_int, help="the recipes' images (default: each recipe's)")
     parser.add_argument('--calib-batches', type=positive_int, default=32)
     parser.add_argument('--heldout-images', type=non_negative_int, default=HELDOUT_IMAGES)
@@ -190,10 +245,13 @@ def main(argv=None) -> int:
         for name in args.models:
             kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
             rows += measure(name, kwargs, recipe_name, recipe, args.budgets, done, args)
+    shown = read_rows(args.json) if args.json else rows
     print('| model | recipe | budget (epochs) | images | original top-1 | converted | recovered | change | PatchNorm '
           'from scratch, same images | PatchNorm from scratch, whole budget |')
     print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
-    print('\n'.join(table_row(r) for r in rows))
+    print('\n'.join(table_row(r) for r in shown))
+    if shown:
+        print('\n' + summary_table(shown))
     print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''))
     return 0
 

@@ -11,6 +11,7 @@ import signal
 import pytest
 import timm
 import torch
+from conftest import SCRIPTS
 from safetensors.torch import load_file, save_file
 
 import timm_affinediv.recover as recover
@@ -195,3 +196,18 @@ def test_measurement_script_quick_appends_rows_and_skips_measured_ones(run_scrip
     again = run_script('measure_family_recovery', *args, timeout=300)
     assert again.returncode == 0 and '0 rows measured, 2 already in' in again.stdout, again.stderr[-3000:]
     assert len(rows.read_text().splitlines()) == 2
+
+
+def test_originals_train_until_held_out_top1_stops_rising_then_decay_to_zero(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_family_conversion import Schedule, plateaued
+    assert not plateaued([40., 60.])  # too early to tell
+    assert not plateaued([60., 70., 70.7])  # 0.35 points an epoch over the last two
+    assert plateaued([60., 70., 70.5, 70.1])  # the best rose 0.5 over two epochs
+    assert plateaued([60., 70., 69., 69.5])  # no new best
+    schedule = Schedule(warmup=4, decay_from=20, total=30)
+    assert [schedule(s) for s in (0, 3, 4, 19)] == [0.25, 1., 1., 1.]
+    assert schedule(25) == pytest.approx(0.5) and schedule(30) == pytest.approx(0.)
+    assert all(schedule(s) >= schedule(s + 1) for s in range(4, 30))
+    # from scratch on 3 of the original's updates in 10: each phase the same share of the run
+    assert Schedule(warmup=4, decay_from=20, total=30).scaled(9) == Schedule(warmup=1, decay_from=6, total=9)
