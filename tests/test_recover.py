@@ -100,6 +100,28 @@ class _InterruptedTrainer(recover.Trainer):
         self.optimizer.step = step_then_interrupt
 
 
+class _SeeingTrainer(recover.Trainer):
+    """The trainer, recording the training images the model and the teacher see at each update."""
+    seen = {'model': [], 'teacher': []}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, module in (('model', self.model), ('teacher', self.teacher)):
+            module.register_forward_pre_hook(lambda m, inputs, name=name: self.seen[name].append(inputs[0].clone())
+                                             if m.training or name == 'teacher' else None)
+
+
+def test_mixup_lever_shows_the_original_the_same_mixed_images(models, tmp_path, monkeypatch):
+    """With mixup, each update's batch is a blend of two images per sample (soft labels), and the teacher is given
+    exactly the batch the converted model trains on."""
+    monkeypatch.setattr(recover, 'Trainer', _SeeingTrainer)
+    _SeeingTrainer.seen = {'model': [], 'teacher': []}
+    _, report = run(models, tmp_path, epochs=0.25, evaluations=1, mixup=0.4)
+    seen = _SeeingTrainer.seen
+    assert report.options['mixup'] == 0.4 and len(seen['model']) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen['model'], seen['teacher'][-2:]))
+
+
 def test_resume_after_an_interrupt_gives_the_uninterrupted_result(models, tmp_path, monkeypatch):
     """6 updates, evaluated after the 2nd, 4th and 6th; interrupted after the 3rd and resumed: the same weights, bit
     for bit, and the same report."""

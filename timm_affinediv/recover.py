@@ -72,6 +72,7 @@ class RecoverOptions:
         smoothing: label smoothing of the labels' cross-entropy.
         scale: the area range of the random resized crops.
         hflip: the probability of a horizontal flip.
+        mixup: timm's mixup alpha (0: off); the original sees the same mixed images as the converted model.
         seed: the seed of the data order, the augmentation and the new parameters.
     """
     epochs: float = 1.0
@@ -89,6 +90,7 @@ class RecoverOptions:
     smoothing: float = 0.1
     scale: Tuple[float, float] = (0.75, 1.0)
     hflip: float = 0.5
+    mixup: float = 0.
     seed: int = 0
 
     def validate(self) -> None:
@@ -102,6 +104,7 @@ class RecoverOptions:
             (self.batch_size >= 1, f'batch_size must be >= 1, got {self.batch_size}'),
             (self.lr > 0, f'lr must be > 0, got {self.lr}'),
             (0 <= self.warmup < 1, f'warmup is a fraction of the budget in [0, 1), got {self.warmup}'),
+            (self.mixup >= 0, f'mixup is an alpha >= 0 (0: off), got {self.mixup}'),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,7 +118,8 @@ class RecoverOptions:
             lr_base=None, weight_decay=self.weight_decay, sched='cosine', sched_on_updates=True,
             warmup_epochs=self.warmup * self.epochs, warmup_prefix=False, cooldown_epochs=0, min_lr=self.min_lr,
             distill_weight=self.distill_weight, distill_temperature=self.distill_temperature,
-            smoothing=self.smoothing, scale=tuple(self.scale), hflip=self.hflip, train_interpolation='',
+            smoothing=self.smoothing, scale=tuple(self.scale), hflip=self.hflip, mixup=self.mixup,
+            train_interpolation='',
             seed=self.seed)
 
     def to_dict(self) -> Dict[str, Any]:
