@@ -186,7 +186,9 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
     for group in groups.values():
         by_budget = {r['budget']: r for r in group}
         last = by_budget[max(by_budget)]
-        label = f"`{last['model']}`"
+        changed = {**{k: v for k, v in last['options'].items() if MEASURED.get(k, v) != v or k not in MEASURED},
+                   **{f'convert.{k}': v for k, v in last['convert_options'].items()}}
+        label = f"`{last['model']}`" + (f" ({_kwargs_text(changed)})" if changed else '')
         cells = [f"{by_budget[b]['recovered']:.2f}" if b in by_budget else '' for b in budgets]
         lines.append(f"| {label} | {last['recipe']} | {last['original']:.2f} ({last['original_epochs']}) | "
                      f"{last['converted']:.2f} | " + ' | '.join(cells) + f" | {last['scratch']:.2f} | "
