@@ -171,18 +171,35 @@ def verdict(last: Dict[str, Any]) -> str:
     return choice + ('; target met' if missed <= 0 else f'; target missed by {missed:.2f}')
 
 
+def scratch_share(group: List[Dict[str, Any]]) -> str:
+    """The images of the largest budget's recovery as a share of those PatchNorm from scratch needs to reach its
+    top-1: scratch's top-1 is interpolated linearly in log images between its measured runs (each budget's images
+    and the original's whole budget); past them, a bound."""
+    last = max(group, key=lambda r: r['budget'])
+    full_images = last['original_epochs'] * last['train_images']
+    points = sorted({(r['images'], r['scratch']) for r in group} | {(full_images, last['scratch_full'])})
+    target = last['recovered']
+    if points[0][1] >= target:
+        return f"> {100 * last['images'] / points[0][0]:.0f}%"
+    for (i0, t0), (i1, t1) in zip(points, points[1:]):
+        if t0 < target <= t1:
+            needed = math.exp(math.log(i0) + (target - t0) / (t1 - t0) * (math.log(i1) - math.log(i0)))
+            return f"{100 * last['images'] / needed:.0f}%"
+    return f"< {100 * last['images'] / full_images:.0f}% (not reached)"
+
+
 def summary_table(rows: List[Dict[str, Any]]) -> str:
     """One line per original (model and recipe): its top-1 and epochs, the conversion's, the recovered after each
     budget, PatchNorm from scratch on the images of the largest budget and on the original's whole budget, and the
-    `verdict`."""
+    `verdict`, and the recovery's images as a share of those from scratch to the same top-1 (`scratch_share`)."""
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(row_key(dict(r, budget=None)), []).append(r)
     budgets = sorted({r['budget'] for r in rows})
     lines = ['| model | recipe | original (epochs) | converted | '
              + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
-             + ' | from scratch, same images | from scratch, whole budget | verdict |',
-             '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---|']
+             + ' | from scratch, same images | from scratch, whole budget | images against from scratch | verdict |',
+             '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---:|---|']
     for group in groups.values():
         by_budget = {r['budget']: r for r in group}
         last = by_budget[max(by_budget)]
@@ -192,7 +209,7 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
         cells = [f"{by_budget[b]['recovered']:.2f}" if b in by_budget else '' for b in budgets]
         lines.append(f"| {label} | {last['recipe']} | {last['original']:.2f} ({last['original_epochs']}) | "
                      f"{last['converted']:.2f} | " + ' | '.join(cells) + f" | {last['scratch']:.2f} | "
-                     f"{last['scratch_full']:.2f} | {verdict(last)} |")
+                     f"{last['scratch_full']:.2f} | {scratch_share(group)} | {verdict(last)} |")
     return '\n'.join(lines)
 
 

@@ -233,3 +233,16 @@ def test_originals_train_until_held_out_top1_stops_rising_then_decay_to_zero(mon
     assert all(schedule(s) >= schedule(s + 1) for s in range(4, 30))
     # from scratch on 3 of the original's updates in 10: each phase the same share of the run
     assert Schedule(warmup=4, decay_from=20, total=30).scaled(9) == Schedule(warmup=1, decay_from=6, total=9)
+
+
+def test_recovery_images_are_priced_against_scratch_reaching_the_same_top1(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_family_recovery import scratch_share
+    rows = [dict(budget=b, images=int(4000 * b), scratch=t, recovered=80., original_epochs=10, train_images=4000,
+                 scratch_full=85.) for b, t in ((0.5, 60.), (1.0, 70.))]
+    # 80 is 2/3 of the way from 70 (4000 images) to 85 (40000), in log images: 4000 x 10^(2/3) = 18566
+    assert scratch_share(rows) == '22%'
+    rows[-1]['recovered'] = 90.
+    assert scratch_share(rows) == '< 10% (not reached)'
+    rows[-1]['recovered'] = 65.  # scratch reaches it on 2828 images, fewer than the recovery's 4000
+    assert scratch_share(rows) == '141%'
