@@ -129,9 +129,11 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
     training = load_training(checkpoint)
     schedule = training['schedule'] and Schedule(**training['schedule'])
     base.update(original_epochs=training['epochs'], original_seconds=training['seconds'])
+    full = scratch_top1(name, kwargs, recipe_name, recipe, training['epochs'] * recipe.images, schedule, args)
+    if args.originals_only:
+        return []
     original = load_trained_model(name, checkpoint=str(checkpoint), num_classes=10, in_chans=1, **kwargs)
     converted = converted_model(original, args)
-    full = scratch_top1(name, kwargs, recipe_name, recipe, training['epochs'] * recipe.images, schedule, args)
     rows = []
     for budget in todo:
         start = time.perf_counter()
@@ -245,6 +247,9 @@ def main(argv=None) -> int:
     parser.add_argument('--recover-kwargs', nargs='*', default={}, action=ParseKwargs,
                         help=f'RecoverOptions over their defaults and {MEASURED} (e.g. lr=1e-4 distill_weight=0.7)')
     parser.add_argument('--workers', type=non_negative_int, default=0, help="the recovery's data loading processes")
+    parser.add_argument('--originals-only', action='store_true',
+                        help='train the missing originals and PatchNorm from scratch on their whole budgets (what '
+                             'no recovery option changes), and stop')
     parser.add_argument('--quick', action='store_true',
                         help=f'a check of the script in seconds: {QUICK}, originals and runs under --output')
     parser.add_argument('--json', help='append each row as a JSON line to this file; rows there are not measured again')
