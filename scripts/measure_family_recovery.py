@@ -9,7 +9,8 @@ The originals are those of `measure_family_conversion.py` (the same recipes, kep
 is not trained again), converted with `convert_model`'s defaults on the images `timm-affinediv convert` reads. The
 recovery trains on the original's training images (the recipe's fixed random subset of the training split) and
 evaluates on the test images only at the end of its budget (`--recover-kwargs evaluations=1 patience=None` are the
-defaults here: the top-1 is that of a finished schedule, and no choice is made on the test images). Each row is
+defaults here: the top-1 is that of a finished schedule, and no choice is made on the test images; the trained
+model is measured, never the conversion kept in its place). Each row is
 appended to --json as a JSON line as soon as it is measured; a row already there (same model, recipe, budget,
 images and options) is not measured again, so a sweep stopped part-way continues where it stopped. Without --quick,
 the sweep is every family, both recipes and the four budgets (hours on a CPU): the lead runs it, e.g. with
@@ -140,8 +141,8 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
         output = Path(args.output) / recipe.folder(recipe_name) / name / f'epochs-{budget:g}'
         train_cfg = TrainConfig(dataset='fashion-mnist', train_subset=recipe.images, val_subset=args.test_images,
                                 workers=args.workers, progress=False, output=str(output))
-        _, report = recover_model(original, copy.deepcopy(converted), RecoverOptions(epochs=budget, **options),
-                                  train=train_cfg)
+        recipe_options = RecoverOptions(epochs=budget, keep_converted=False, **options)
+        _, report = recover_model(original, copy.deepcopy(converted), recipe_options, train=train_cfg)
         row = dict(base, budget=budget, images=report.images, original=report.original_top1,
                    converted=report.converted_top1, recovered=report.recovered_top1, stopped=report.stopped,
                    scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, schedule, args),
@@ -257,10 +258,10 @@ def main(argv=None) -> int:
     if args.quick:
         vars(args).update(QUICK, runs=str(Path(args.output) / 'originals'))
     wrong = sorted(set(args.recover_kwargs) - {f.name for f in dataclasses.fields(RecoverOptions)} | (
-        {'epochs'} & set(args.recover_kwargs)))
+        {'epochs', 'keep_converted'} & set(args.recover_kwargs)))
     if wrong:
         parser.error(f"--recover-kwargs: {', '.join(wrong)} is not a RecoverOptions field set here (the budget is "
-                     '--budgets)')
+                     '--budgets; the trained model is always measured)')
     done = {row_key(r) for r in read_rows(args.json)}
     rows = []
     for recipe_name in args.recipes:

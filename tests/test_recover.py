@@ -42,7 +42,7 @@ def run(models, output, **options):
     """`recover_model` on 256 training images (8 updates an epoch) and 128 held-out ones, batch 32."""
     original, converted = models
     train = TrainConfig(train_subset=256, val_subset=128, workers=0, progress=False, output=str(output))
-    settings = dict(batch_size=32, warmup=0., patience=None)
+    settings = dict(batch_size=32, warmup=0., patience=None, keep_converted=False)
     return recover_model(copy.deepcopy(original), copy.deepcopy(converted), RecoverOptions(**{**settings, **options}),
                          train=train)
 
@@ -82,6 +82,21 @@ def test_plateau_stops_and_returns_the_best_evaluations_weights(models, tmp_path
     best = load_file(str(tmp_path / 'checkpoints' / 'epoch-0000-000001' / 'model.safetensors'))
     assert all(torch.equal(v.cpu(), best[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, best[k]) for k, v in load_file(str(tmp_path / 'model' / 'model.safetensors')).items())
+
+
+def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tmp_path):
+    """A rate that wrecks the model: no evaluation is above the converted model's held-out top-1, so its weights
+    and top-1 are returned, written and published, and the report says so."""
+    model, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr=50., keep_converted=True)
+    assert max(p['top1'] for p in report.curve) <= report.converted_top1
+    assert (report.stopped, report.kept_images, report.recovered_top1) == ('converted', 0, report.converted_top1)
+    converted = models[1].state_dict()
+    assert all(torch.equal(v.cpu(), converted[k]) for k, v in model.state_dict().items())
+    for weights in (tmp_path / 'model.safetensors', tmp_path / 'model' / 'model.safetensors'):
+        assert all(torch.equal(v, converted[k]) for k, v in load_file(str(weights)).items())
+    assert 'with no evaluation above the converted model, which is kept' in report.describe()
+    assert f'| recovered (128 training images) | {report.converted_top1:.2f} |' in (
+        tmp_path / 'model' / 'README.md').read_text()
 
 
 class _InterruptedTrainer(recover.Trainer):

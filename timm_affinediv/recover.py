@@ -23,14 +23,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-from ._io import atomic_write
+from ._io import atomic_write, save_safetensors
 from ._timm_compat import get_model_args
 from .convert import model_in_chans
 from .convert.rebuild import architecture
 from .errors import ConfigError
 from .model_io import convert_to_folder, load_trained_model
 from .pipeline import final_top1, publish_run
-from .train import TrainConfig, Trainer, resolve_checkpoint
+from .train import TrainConfig, Trainer, TrainResult, resolve_checkpoint
 
 __all__ = ['RecoverOptions', 'RecoveryReport', 'recover_model', 'REPORT_NAME', 'CONVERTED_FOLDER']
 
@@ -73,6 +73,8 @@ class RecoverOptions:
         scale: the area range of the random resized crops.
         hflip: the probability of a horizontal flip.
         mixup: timm's mixup alpha (0: off); the original sees the same mixed images as the converted model.
+        keep_converted: where no evaluation's held-out top-1 is above the converted model's, return the converted
+            model (its weights, its top-1) rather than the trained one.
         seed: the seed of the data order, the augmentation and the new parameters.
     """
     epochs: float = 1.0
@@ -91,6 +93,7 @@ class RecoverOptions:
     scale: Tuple[float, float] = (0.75, 1.0)
     hflip: float = 0.5
     mixup: float = 0.
+    keep_converted: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -132,7 +135,8 @@ class RecoveryReport:
     """ What `recover_model` did: the top-1 (%) of the original, of the converted model and of the recovered one on
     the same held-out images (`eval_set`), the training images spent of the budget's, why it stopped ('budget',
     'target' or 'plateau'), after how many images the returned weights were evaluated (`kept_images`: the best
-    evaluation's on a plateau), and the curve: each evaluation's images spent, held-out top-1 and learning rate.
+    evaluation's on a plateau; 0 where no evaluation bettered the converted model and it was kept: `stopped`
+    'converted'), and the curve: each evaluation's images spent, held-out top-1 and learning rate.
     """
     original_top1: float
     converted_top1: float
@@ -153,7 +157,8 @@ class RecoveryReport:
         """The three top-1s, the images spent and why it stopped, in one sentence."""
         why = {'budget': 'at the end of its budget', 'target': 'on reaching the target top-1',
                'plateau': f"after {self.options.get('patience')} evaluations without a better top-1, the best "
-                          f'(after {self.kept_images:,} images) kept'}[self.stopped]
+                          f'(after {self.kept_images:,} images) kept',
+               'converted': 'with no evaluation above the converted model, which is kept'}[self.stopped]
         return (f'top-1: original {self.original_top1:.2f}%, converted {self.converted_top1:.2f}%, recovered '
                 f'{self.recovered_top1:.2f}% after {self.images:,} of {self.budget_images:,} training images, stopped '
                 f'{why}')
@@ -186,6 +191,13 @@ def _card_recipe(report: RecoveryReport, dataset: str) -> str:
             f"epochs ({report.budget_images:,} images), distillation weight {o['distill_weight']:g} at temperature "
             f"{o['distill_temperature']:g}. {report.describe()} ({REPORT_NAME} has the curve).\n\n"
             f'{report.format_table()}')
+
+
+def _with_conversion(result: TrainResult, conversion: Dict[str, Any], metrics: Dict[str, float]) -> TrainResult:
+    """`result` with the converted model's weights (in its model and weights file) and held-out metrics."""
+    result.model.load_state_dict(conversion)
+    save_safetensors(result.model.state_dict(), result.weights_file)
+    return dataclasses.replace(result, metrics=dict(images=0, **{f'val_{k}': v for k, v in metrics.items()}))
 
 
 def recover_model(
@@ -228,15 +240,20 @@ def recover_model(
         in_chans=model_in_chans(converted), teacher=None, resume=None)
     trainer = Trainer(cfg, model=converted, teacher=original)
     # measured before the checkpoint is read: on resume the model's weights are no longer the conversion's
-    before = dict(original=trainer.evaluate(trainer.teacher)['top1'], converted=trainer.evaluate()['top1'])
+    before = dict(original=trainer.evaluate(trainer.teacher), converted=trainer.evaluate())
+    conversion = {k: v.detach().clone() for k, v in trainer.final_model.state_dict().items()}
     if train.resume:
         trainer.load_checkpoint(resolve_checkpoint(train.resume))
     result = trainer.fit()
+    stopped = result.stopped or 'budget'
+    if options.keep_converted and max(final_top1(h) for h in result.history) <= before['converted']['top1']:
+        result = _with_conversion(result, conversion, before['converted'])
+        stopped = 'converted'
     per_update = cfg.batch_size * cfg.grad_accum_steps * trainer.world_size
     report = RecoveryReport(
-        original_top1=before['original'], converted_top1=before['converted'],
+        original_top1=before['original']['top1'], converted_top1=before['converted']['top1'],
         recovered_top1=final_top1(result.metrics), images=result.images,
-        budget_images=trainer.total_updates * per_update, stopped=result.stopped or 'budget',
+        budget_images=trainer.total_updates * per_update, stopped=stopped,
         kept_images=int(result.metrics['images']), eval_set=result.eval_set,
         curve=[dict(images=h['images'], top1=final_top1(h), lr=h['lr']) for h in result.history],
         options=options.to_dict(), seconds=round(time.perf_counter() - start, 1))

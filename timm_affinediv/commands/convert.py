@@ -143,6 +143,9 @@ def add_recovery_args(parser: argparse.ArgumentParser) -> None:
                        help="the distillation's temperature")
     group.add_argument('--recover-mixup', type=non_negative_float, default=r.mixup, metavar='ALPHA',
                        help="timm's mixup alpha, the original seeing the same mixed images (0: off)")
+    group.add_argument('--recover-keep-trained', action='store_true',
+                       help='return the trained model even where no evaluation betters the converted one (by '
+                            'default the converted model is kept then)')
     group.add_argument('--recover-train-images', type=positive_int, metavar='N',
                        help='train on a fixed random N of the training split (the budget is in epochs of them)')
     group.add_argument('--recover-val-images', type=positive_int, metavar='N',
@@ -159,7 +162,8 @@ def recover_options(args: argparse.Namespace) -> RecoverOptions:
         epochs=args.recover_epochs, evaluations=args.recover_evaluations, patience=args.recover_patience or None,
         target_top1=args.recover_target, lr=args.recover_lr, warmup=args.recover_warmup,
         batch_size=args.recover_batch_size, distill_weight=args.recover_distill_weight,
-        distill_temperature=args.recover_temperature, mixup=args.recover_mixup, seed=args.seed)
+        distill_temperature=args.recover_temperature, mixup=args.recover_mixup,
+        keep_converted=not args.recover_keep_trained, seed=args.seed)
     options.validate()
     return options
 
