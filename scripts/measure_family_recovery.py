@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     parser.add_argument('--originals-only', action='store_true',
                         help='train the missing originals and PatchNorm from scratch on their whole budgets (what '
                              'no recovery option changes), and stop')
+    parser.add_argument('--table-only', action='store_true', help="measure nothing: the tables of --json's rows")
     parser.add_argument('--quick', action='store_true',
                         help=f'a check of the script in seconds: {QUICK}, originals and runs under --output')
     parser.add_argument('--json', help='append each row as a JSON line to this file; rows there are not measured again')
@@ -262,9 +263,14 @@ def main(argv=None) -> int:
     if wrong:
         parser.error(f"--recover-kwargs: {', '.join(wrong)} is not a RecoverOptions field set here (the budget is "
                      '--budgets; the trained model is always measured)')
+    unknown = [name for name in args.models if not timm.is_model(name)]
+    if unknown:
+        parser.error(f"--models: {', '.join(unknown)} is not a timm model name (timm.list_models() has them)")
+    if args.table_only and not read_rows(args.json):
+        parser.error('--table-only shows the rows of --json: pass a file of them')
     done = {row_key(r) for r in read_rows(args.json)}
     rows = []
-    for recipe_name in args.recipes:
+    for recipe_name in [] if args.table_only else args.recipes:
         recipe = dataclasses.replace(RECIPES[recipe_name], epochs=args.epochs or RECIPES[recipe_name].epochs,
                                      images=args.train_images or RECIPES[recipe_name].images)
         for name in args.models:
