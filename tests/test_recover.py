@@ -84,11 +84,32 @@ def test_plateau_stops_and_returns_the_best_evaluations_weights(models, tmp_path
     assert all(torch.equal(v, best[k]) for k, v in load_file(str(tmp_path / 'model' / 'model.safetensors')).items())
 
 
-def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tmp_path):
-    """A rate that wrecks the model: no evaluation is above the converted model's held-out top-1, so its weights
-    and top-1 are returned, written and published, and the report says so."""
-    model, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr=50., keep_converted=True)
+class _NudgingTrainer(recover.Trainer):
+    """The trainer, each update moving every parameter by 1e-6 more: weights that differ from the conversion's
+    without a prediction changing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        step = self.optimizer.step
+
+        def step_then_nudge(*a, **k):
+            result = step(*a, **k)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(1e-6)
+            return result
+        self.optimizer.step = step_then_nudge
+
+
+def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tmp_path, monkeypatch):
+    """Updates that change no prediction: no evaluation is above the converted model's held-out top-1 (a tie is not
+    above), so its weights (not the trained ones) and top-1 are returned, written and published, and the report
+    says so."""
+    monkeypatch.setattr(recover, 'Trainer', _NudgingTrainer)
+    model, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr=1e-12, keep_converted=True)
     assert max(p['top1'] for p in report.curve) <= report.converted_top1
+    trained = load_file(str(next((tmp_path / 'checkpoints').glob('*/model.safetensors'))))
+    assert not all(torch.equal(v, models[1].state_dict()[k]) for k, v in trained.items())
     assert (report.stopped, report.kept_images, report.recovered_top1) == ('converted', 0, report.converted_top1)
     converted = models[1].state_dict()
     assert all(torch.equal(v.cpu(), converted[k]) for k, v in model.state_dict().items())

@@ -46,13 +46,14 @@ CONVERTED_FOLDER = 'converted'
 class RecoverOptions:
     """ The recovery's recipe: budget, evaluations and stop rule, optimiser and schedule, distillation, augmentation.
 
-    The defaults are a provisional recipe, to be chosen on measured curves (`scripts/measure_family_recovery.py`):
-    one epoch of the training split in batches of 64, AdamW at a peak learning rate of 3e-4 (weight decay 0.05), a
-    linear warm-up over the first 5% of the budget, then a cosine to 0 at its last update; the loss blends label-
-    smoothed (0.1) cross-entropy and the distillation from the original half and half, at temperature 2; random
-    resized crops of 75-100% of the area and horizontal flips, resized with the evaluation's interpolation (the
-    conversion was fitted on evaluation transforms); 8 evaluations over the budget, stopping after 2 in a row that
-    do not better the best top-1. Every parameter trains from the first update.
+    The defaults, chosen on measured curves (docs/families.md, `scripts/measure_family_recovery.py`): one epoch of
+    the training split in batches of 64, AdamW at a peak learning rate of 1e-4 (weight decay 0.05), a linear warm-up
+    over the first 5% of the budget, then a cosine to 0 at its last update; the loss blends label-smoothed (0.1)
+    cross-entropy and the distillation from the original half and half, at temperature 2; the images as the
+    evaluation reads them (no crops, no flips: the measured originals were trained without augmentation; give an
+    original trained with it its own `scale` and `hflip`); 8 evaluations over the budget, stopping after 2 in a row
+    that do not better the best top-1, and the converted model returned where none betters it. Every parameter
+    trains from the first update.
 
     Args:
         epochs: the budget, in epochs of the training split; a fraction (0.125) is that share of its images. The
@@ -83,15 +84,15 @@ class RecoverOptions:
     target_top1: Optional[float] = None
     batch_size: int = 64
     opt: str = 'adamw'
-    lr: float = 3e-4
+    lr: float = 1e-4
     weight_decay: float = 0.05
     warmup: float = 0.05
     min_lr: float = 0.
     distill_weight: float = 0.5
     distill_temperature: float = 2.0
     smoothing: float = 0.1
-    scale: Tuple[float, float] = (0.75, 1.0)
-    hflip: float = 0.5
+    scale: Tuple[float, float] = (1.0, 1.0)
+    hflip: float = 0.
     mixup: float = 0.
     keep_converted: bool = True
     seed: int = 0
@@ -108,6 +109,7 @@ class RecoverOptions:
             (self.lr > 0, f'lr must be > 0, got {self.lr}'),
             (0 <= self.warmup < 1, f'warmup is a fraction of the budget in [0, 1), got {self.warmup}'),
             (self.mixup >= 0, f'mixup is an alpha >= 0 (0: off), got {self.mixup}'),
+            (0 < self.scale[0] <= self.scale[1] <= 1, f'scale is an area range 0 < MIN <= MAX <= 1, got {self.scale}'),
         ]
         for ok, message in checks:
             if not ok:

@@ -141,6 +141,10 @@ def add_recovery_args(parser: argparse.ArgumentParser) -> None:
                        help="the weight of the original's logits in the loss (the rest: the labels')")
     group.add_argument('--recover-temperature', type=positive_float, default=r.distill_temperature,
                        help="the distillation's temperature")
+    group.add_argument('--recover-scale', type=unit_interval, nargs=2, default=r.scale, metavar=('MIN', 'MAX'),
+                       help='the area range of random resized crops (1 1: the whole image, as evaluated)')
+    group.add_argument('--recover-hflip', type=unit_interval, default=r.hflip,
+                       help='the probability of a horizontal flip')
     group.add_argument('--recover-mixup', type=non_negative_float, default=r.mixup, metavar='ALPHA',
                        help="timm's mixup alpha, the original seeing the same mixed images (0: off)")
     group.add_argument('--recover-keep-trained', action='store_true',
@@ -162,8 +166,8 @@ def recover_options(args: argparse.Namespace) -> RecoverOptions:
         epochs=args.recover_epochs, evaluations=args.recover_evaluations, patience=args.recover_patience or None,
         target_top1=args.recover_target, lr=args.recover_lr, warmup=args.recover_warmup,
         batch_size=args.recover_batch_size, distill_weight=args.recover_distill_weight,
-        distill_temperature=args.recover_temperature, mixup=args.recover_mixup,
-        keep_converted=not args.recover_keep_trained, seed=args.seed)
+        distill_temperature=args.recover_temperature, scale=tuple(args.recover_scale), hflip=args.recover_hflip,
+        mixup=args.recover_mixup, keep_converted=not args.recover_keep_trained, seed=args.seed)
     options.validate()
     return options
 
