@@ -157,6 +157,7 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
         rows.append(row)
         print(table_row(row), file=sys.stderr, flush=True)
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             with open(args.json, 'a') as f:
                 f.write(json.dumps(row) + '\n')
     return rows

@@ -222,6 +222,7 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
                                              '--train-images': ['128'], '--calib-batches': ['2'],
                                              '--heldout-images': ['64'], '--distill-images': ['128'],
                                              '--test-images': ['64']},
+    'scripts/measure_family_recovery.py': {'--quick': []},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},
