@@ -217,7 +217,9 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
              + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
              + ' | from scratch, same images | from scratch, whole budget | images against from scratch | verdict |',
              '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---:|---|']
-    for group in groups.values():
+    order = list(FAMILIES)
+    for group in sorted(groups.values(), key=lambda g: (order.index(g[0]['model']) if g[0]['model'] in order
+                                                        else len(order), g[0]['model'], g[0]['recipe'])):
         by_budget = {r['budget']: r for r in group}
         last = by_budget[max(by_budget)]
         defaults = recipe_of(RecoverOptions(**MEASURED))
