@@ -132,17 +132,15 @@ def _tensors_held_out(images: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def _optimizer(model: nn.Module, recipe: Recipe, steps: int, schedule: Optional[Schedule] = None):
     """The recipe's optimiser and, per update, `schedule`'s factor of its rate, or (None) its fixed-epochs schedule
     spanning `steps` updates."""
-    if schedule is not None:
-        optimizer = (torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-                     if recipe.optimizer == 'adamw' else
-                     torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
-                                     weight_decay=recipe.weight_decay))
-        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if recipe.optimizer == 'adamw':
         optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
+                                    weight_decay=recipe.weight_decay)
+    if schedule is not None:
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    if recipe.optimizer == 'adamw':
         return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=steps)
-    optimizer = torch.optim.SGD(model.parameters(), lr=recipe.lr, momentum=0.9, nesterov=True,
-                                weight_decay=recipe.weight_decay)
     warmup = max(1, steps // 20)
     decay = max(1, steps - warmup)  # none in a run of `warmup` steps or fewer (the schedule's last call is at `steps`)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else

@@ -36,9 +36,9 @@ from measure_family_conversion import (
     Schedule,
     _kwargs_text,
     _optimizer,
-    _predictions,
     _step,
     _tensors,
+    _top1,
     load_training,
     train,
 )
@@ -97,7 +97,7 @@ def scratch_top1(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Re
     model = load_trained_model(name, checkpoint=str(path), num_classes=10, in_chans=1, norm_layer='patchnorm',
                                **kwargs)
     x, y = _tensors('validation', args.test_images)
-    return (_predictions(model, x) == y).float().mean().item() * 100
+    return _top1(model, x, y)
 
 
 def converted_model(original: torch.nn.Module, args) -> torch.nn.Module:

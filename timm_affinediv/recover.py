@@ -124,8 +124,7 @@ class RecoverOptions:
             warmup_epochs=self.warmup * self.epochs, warmup_prefix=False, cooldown_epochs=0, min_lr=self.min_lr,
             distill_weight=self.distill_weight, distill_temperature=self.distill_temperature,
             smoothing=self.smoothing, scale=tuple(self.scale), hflip=self.hflip, mixup=self.mixup,
-            train_interpolation='',
-            seed=self.seed)
+            train_interpolation='', seed=self.seed)
 
     def to_dict(self) -> Dict[str, Any]:
         """The options as JSON values (the crop's area range a list)."""
