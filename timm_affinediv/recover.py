@@ -135,9 +135,9 @@ class RecoverOptions:
 class RecoveryReport:
     """ What `recover_model` did: the top-1 (%) of the original, of the converted model and of the recovered one on
     the same held-out images (`eval_set`), the training images spent of the budget's, why it stopped ('budget',
-    'target' or 'plateau'), after how many images the returned weights were evaluated (`kept_images`: the best
-    evaluation's on a plateau; 0 where no evaluation bettered the converted model and it was kept: `stopped`
-    'converted'), and the curve: each evaluation's images spent, held-out top-1 and learning rate.
+    'target', 'plateau' or 'converted'), after how many images the returned weights were evaluated
+    (`kept_images`: the best evaluation's on a plateau; 0 where no evaluation bettered the converted model and it
+    was kept), and the curve: each evaluation's images spent, held-out top-1 and learning rate.
     """
     original_top1: float
     converted_top1: float
@@ -194,10 +194,13 @@ def _card_recipe(report: RecoveryReport, dataset: str) -> str:
             f'{report.format_table()}')
 
 
-def _with_conversion(result: TrainResult, conversion: Dict[str, Any], metrics: Dict[str, float]) -> TrainResult:
-    """`result` with the converted model's weights (in its model and weights file) and held-out metrics."""
+def _with_conversion(result: TrainResult, conversion: Dict[str, Any], metrics: Dict[str, float],
+                     write: bool) -> TrainResult:
+    """`result` with the converted model's weights (in its model and, where `write`, its weights file) and held-out
+    metrics."""
     result.model.load_state_dict(conversion)
-    save_safetensors(result.model.state_dict(), result.weights_file)
+    if write:
+        save_safetensors(result.model.state_dict(), result.weights_file)
     return dataclasses.replace(result, metrics=dict(images=0, **{f'val_{k}': v for k, v in metrics.items()}))
 
 
@@ -242,13 +245,14 @@ def recover_model(
     trainer = Trainer(cfg, model=converted, teacher=original)
     # measured before the checkpoint is read: on resume the model's weights are no longer the conversion's
     before = dict(original=trainer.evaluate(trainer.teacher), converted=trainer.evaluate())
-    conversion = {k: v.detach().clone() for k, v in trainer.final_model.state_dict().items()}
+    conversion = ({k: v.detach().clone() for k, v in trainer.final_model.state_dict().items()}
+                  if options.keep_converted else None)
     if train.resume:
         trainer.load_checkpoint(resolve_checkpoint(train.resume))
     result = trainer.fit()
     stopped = result.stopped or 'budget'
     if options.keep_converted and max(final_top1(h) for h in result.history) <= before['converted']['top1']:
-        result = _with_conversion(result, conversion, before['converted'])
+        result = _with_conversion(result, conversion, before['converted'], write=trainer.is_primary)
         stopped = 'converted'
     per_update = cfg.batch_size * cfg.grad_accum_steps * trainer.world_size
     report = RecoveryReport(
