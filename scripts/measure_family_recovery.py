@@ -211,7 +211,8 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
     `verdict`, and the recovery's images as a share of those from scratch to the same top-1 (`scratch_share`)."""
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(row_key(dict(r, budget=None)), []).append(r)
+        if r['options'].get('seed', 0) == 0:
+            groups.setdefault(row_key(dict(r, budget=None)), []).append(r)
     budgets = sorted({r['budget'] for r in rows})
     lines = ['| model | recipe | original (epochs) | converted | '
              + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
@@ -231,6 +232,23 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
                      f"{last['converted']:.2f} | " + ' | '.join(cells) + f" | {last['scratch']:.2f} | "
                      f"{last['scratch_full']:.2f} | {scratch_share(group)} | {verdict(last)} |")
     return '\n'.join(lines)
+
+
+def seeds_table(rows: List[Dict[str, Any]]) -> str:
+    """Per original and budget measured with more than one recovery seed (`--recover-kwargs seed=N`; the same
+    original and conversion): the recovered top-1 of each seed and their spread (max - min)."""
+    cells: Dict[tuple, Dict[int, float]] = {}
+    for r in rows:
+        options = dict(r['options'], seed=0)
+        key = (r['model'], r['recipe'], r['budget'], row_key(dict(r, options=options, budget=None)))
+        cells.setdefault(key, {})[r['options'].get('seed', 0)] = r['recovered']
+    lines = ['| model | recipe | budget (epochs) | recovered, by seed | spread |', '|---|---|---:|---|---:|']
+    for (model, recipe, budget, _), by_seed in cells.items():
+        if len(by_seed) > 1:
+            values = ' / '.join(f'{by_seed[s]:.2f}' for s in sorted(by_seed))
+            lines.append(f'| `{model}` | {recipe} | {budget:g} | {values} | '
+                         f'{max(by_seed.values()) - min(by_seed.values()):.2f} |')
+    return '\n'.join(lines) if len(lines) > 2 else ''
 
 
 def read_rows(path: Optional[str]) -> List[Dict[str, Any]]:
@@ -300,6 +318,9 @@ def main(argv=None) -> int:
     print('\n'.join(table_row(r) for r in shown))
     if shown:
         print('\n' + summary_table(shown))
+        seeds = seeds_table(shown)
+        if seeds:
+            print('\nThe recovery seeds (same original and conversion):\n\n' + seeds)
     print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''))
     return 0
 

@@ -282,3 +282,50 @@ def test_recovery_images_are_priced_against_scratch_reaching_the_same_top1(monke
     assert scratch_share(rows) == '< 10% (not reached)'
     rows[-1]['recovered'] = 65.  # scratch reaches it on 2828 images, fewer than the recovery's 4000
     assert scratch_share(rows) == '141%'
+
+
+def test_stage_swap_trains_a_hybrid_of_converted_and_frozen_original_parts_then_the_converted_model(
+        monkeypatch, models):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_recovery_swap import SwapHybrid, swap_groups, swap_units
+    original, converted = models
+    # a norm alone is never cut from its neighbours: the stem's BatchNorm stays with the stem and the first block
+    assert swap_units(original)[0] == ['conv1', 'bn1', 'layer1.0']
+    groups = swap_groups(original, 2)
+    assert groups[1][0] == 'layer3.0'
+    assert [name for group in groups for name in group] == [n for unit in swap_units(original) for n in unit]
+    student = copy.deepcopy(converted)
+    hybrid = SwapHybrid(original, student, groups)
+    x = torch.randn(4, 1, 32, 32)
+    hybrid.train()
+    late = [student.get_submodule(name) for name in groups[1]]
+    assert all(not part.training and not any(p.requires_grad for p in part.parameters()) for part in late)
+    with torch.no_grad():
+        features = original.forward_head(original.layer4(original.layer3(converted.layer2(converted.layer1(
+            converted.maxpool(converted.act1(converted.bn1(converted.conv1(x)))))))))
+        hybrid.model.eval()
+        assert torch.allclose(student(x), features, atol=1e-5)  # the first group converted, the rest the original's
+        hybrid.swap_next()
+        assert torch.equal(student(x), converted(x))  # every group swapped in: the converted model itself
+    # two updates of two images: the second group, swapped in for the second, is trained too
+    from measure_recovery_swap import recover_swapped
+    trained = recover_swapped(original, copy.deepcopy(converted), x, torch.arange(4), 4, 2,
+                              RecoverOptions(batch_size=2))
+    assert not torch.equal(trained.layer4[1].conv2.weight, converted.layer4[1].conv2.weight)
+    assert all(not isinstance(m, torch.nn.BatchNorm2d) for m in trained.modules())
+    units = len(swap_units(original))
+    with pytest.raises(ValueError, match=f'only {units} units'):
+        swap_groups(original, units + 1)
+
+
+def test_recovery_seeds_are_tabled_beside_each_other_and_kept_out_of_the_summary(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_family_recovery import seeds_table, summary_table
+    base = dict(model='resnet18', model_kwargs='', recipe='adamw', train_images=4000, fixed_epochs=None,
+                test_images=10000, convert_options={}, images=4000, original=85., converted=84., scratch=70.,
+                scratch_full=84.5, original_epochs=10, budget=1.0)
+    rows = [dict(base, options=dict(lr=1e-4, seed=seed), recovered=top1) for seed, top1 in ((0, 84.2), (1, 84.6))]
+    assert '| `resnet18` | adamw | 1 | 84.20 / 84.60 | 0.40 |' in seeds_table(rows)
+    assert seeds_table(rows[:1]) == ''
+    summary = summary_table(rows)
+    assert summary.count('`resnet18`') == 1 and '84.20' in summary and '84.60' not in summary
