@@ -205,6 +205,9 @@ BUDGET: Dict[str, int] = {
     '--train-subset': 128, '--val-subset': 64, '--train-images': 64, '--reconstruct-steps': 2, '--distill-epochs': 1,
     '--batches': 2, '--heldout-images': 64, '--distill-images': 128,
     '--batch-size': 16, '-b': 16, '--eval-images': 64, '--img-size': 64,
+    # worker processes each import torch and timm again: on the suite's two busy cores that doubles a short run
+    # (experiments.py's pool of workers is tested by test_evidence)
+    '--workers': 1,
 }
 #: Flags listing several values (runs of the same thing), cut to the first.
 FIRST_ONLY = ('--seeds', '--families')
@@ -223,6 +226,7 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
                                              '--heldout-images': ['64'], '--distill-images': ['128'],
                                              '--test-images': ['64']},
     'scripts/measure_family_recovery.py': {'--quick': []},
+    'scripts/measure_recovery_swap.py': {'--quick': []},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},

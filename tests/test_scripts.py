@@ -10,7 +10,7 @@ from conftest import SCRIPTS
 
 SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'bench_gpu', 'measure_conversion',
                 'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments',
-                'kernel_registers', 'launch_count', 'gpu_model', 'measure_family_recovery')
+                'kernel_registers', 'launch_count', 'gpu_model', 'measure_family_recovery', 'measure_recovery_swap')
 
 
 def test_every_script_is_listed():
