@@ -33,6 +33,7 @@ from timm.utils import ParseKwargs
 import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import non_negative_int, positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.errors import OptionError
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, load_trained_model
 from timm_affinediv.recover import RecoverOptions
 from timm_affinediv.train.distill import DistillationLoss
@@ -67,7 +68,7 @@ def swap_groups(model: nn.Module, stages: int) -> List[List[str]]:
     """`swap_units` cut into `stages` runs of consecutive units, as equal in number as they divide."""
     units = swap_units(model)
     if stages > len(units):
-        raise ValueError(f'--stages {stages}: the model has only {len(units)} units to swap')
+        raise OptionError(f'--stages {stages}: the model has only {len(units)} units to swap; give at most that')
     return [[name for unit in units[len(units) * i // stages:len(units) * (i + 1) // stages] for name in unit]
             for i in range(stages)]
 
@@ -76,7 +77,7 @@ class SwapHybrid:
     """`converted`, with the parts of the groups not yet swapped in replaced by frozen copies of the original's."""
 
     def __init__(self, original: nn.Module, converted: nn.Module, groups: List[List[str]]):
-        self.model, self.groups, self.swapped = converted, groups, 0
+        self.model, self.groups = converted, groups
         self.kept = {name: converted.get_submodule(name) for group in groups for name in group}
         self.frozen: List[nn.Module] = []
         for group in groups[1:]:
@@ -84,7 +85,7 @@ class SwapHybrid:
                 part = _frozen_copy(original.get_submodule(name))
                 converted.set_submodule(name, part)
                 self.frozen.append(part)
-        self.swapped = 1
+        self.swapped = 1  # groups converted in the model: the first from the start
 
     def swap_next(self) -> None:
         for name in self.groups[self.swapped]:

@@ -18,6 +18,7 @@ import timm_affinediv.recover as recover
 from timm_affinediv import RecoverOptions, convert_model, recover_model
 from timm_affinediv.commands import main as command
 from timm_affinediv.data import FASHION_MNIST_DIR, create_eval_loader, resolve_dataset_data_config
+from timm_affinediv.errors import OptionError
 from timm_affinediv.train import TrainConfig, TrainingInterrupted
 
 TINY = dict(channels=(16, 32, 64, 128), stem_width=16)
@@ -314,7 +315,7 @@ def test_stage_swap_trains_a_hybrid_of_converted_and_frozen_original_parts_then_
     assert not torch.equal(trained.layer4[1].conv2.weight, converted.layer4[1].conv2.weight)
     assert all(not isinstance(m, torch.nn.BatchNorm2d) for m in trained.modules())
     units = len(swap_units(original))
-    with pytest.raises(ValueError, match=f'only {units} units'):
+    with pytest.raises(OptionError, match=f'only {units} units'):
         swap_groups(original, units + 1)
 
 
