@@ -190,7 +190,7 @@ def test_convert_to_folder_refuses_negative_sizes(tmp_path):
 
 def test_bench_convert_prints_paired_ratios(run_script):
     """The conversion benchmark's table: forward pass, conversion and their ratio, from paired rounds."""
-    proc = run_script('bench_convert', '--models', 'resnet18', '--settings', 'synthetic-224', '--batches', '1', '1',
+    proc = run_script('bench_convert', '--models', 'resnet18', '--settings', 'fashion-mnist-32', '--batches', '1', '1',
                       '--batch-size', '2', '2', '--reps', '2', '--device', 'cpu')
     assert proc.returncode == 0, proc.stderr
     row = [line for line in proc.stdout.splitlines() if line.startswith('| resnet18 |')]
