@@ -243,7 +243,9 @@ def seeds_table(rows: List[Dict[str, Any]]) -> str:
         key = (r['model'], r['recipe'], r['budget'], row_key(dict(r, options=options, budget=None)))
         cells.setdefault(key, {})[r['options'].get('seed', 0)] = r['recovered']
     lines = ['| model | recipe | budget (epochs) | recovered, by seed | spread |', '|---|---|---:|---|---:|']
-    for (model, recipe, budget, _), by_seed in cells.items():
+    order = list(FAMILIES)
+    for (model, recipe, budget, _), by_seed in sorted(cells.items(), key=lambda item: (
+            order.index(item[0][0]) if item[0][0] in order else len(order), item[0][:3])):
         if len(by_seed) > 1:
             values = ' / '.join(f'{by_seed[s]:.2f}' for s in sorted(by_seed))
             lines.append(f'| `{model}` | {recipe} | {budget:g} | {values} | '
