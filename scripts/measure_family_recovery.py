@@ -78,13 +78,24 @@ def train_scratch(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe,
     model = timm.create_model(name, num_classes=10, in_chans=1, norm_layer='patchnorm', **kwargs)
     steps = max(1, images // recipe.batch_size)
     optimizer, schedule = _optimizer(model, recipe, steps, schedule and schedule.scaled(steps))
-    order = torch.cat([torch.randperm(len(x)) for _ in range(math.ceil(steps * recipe.batch_size / len(x)))])
+    order = data_order(len(x), steps * recipe.batch_size)
     model.train()
     for i in range(steps):
         batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
         _step(model, optimizer, schedule, x[batch], y[batch])
     path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(model.state_dict(), path)
+
+
+def data_order(images: int, draws: int) -> torch.Tensor:
+    """At least `draws` indices into `images` images: passes over them, each in a new random order."""
+    return torch.cat([torch.randperm(images) for _ in range(math.ceil(draws / images))])
+
+
+def family_rank(model: str) -> int:
+    """Where `model` comes in `FAMILIES` (after them all where it is not there): the tables' order."""
+    order = list(FAMILIES)
+    return order.index(model) if model in order else len(order)
 
 
 def scratch_top1(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, images: int,
@@ -218,9 +229,7 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
              + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
              + ' | from scratch, same images | from scratch, whole budget | images against from scratch | verdict |',
              '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---:|---|']
-    order = list(FAMILIES)
-    for group in sorted(groups.values(), key=lambda g: (order.index(g[0]['model']) if g[0]['model'] in order
-                                                        else len(order), g[0]['model'], g[0]['recipe'])):
+    for group in sorted(groups.values(), key=lambda g: (family_rank(g[0]['model']), g[0]['model'], g[0]['recipe'])):
         by_budget = {r['budget']: r for r in group}
         last = by_budget[max(by_budget)]
         defaults = recipe_of(RecoverOptions(**MEASURED))
@@ -243,9 +252,8 @@ def seeds_table(rows: List[Dict[str, Any]]) -> str:
         key = (r['model'], r['recipe'], r['budget'], row_key(dict(r, options=options, budget=None)))
         cells.setdefault(key, {})[r['options'].get('seed', 0)] = r['recovered']
     lines = ['| model | recipe | budget (epochs) | recovered, by seed | spread |', '|---|---|---:|---|---:|']
-    order = list(FAMILIES)
     for (model, recipe, budget, _), by_seed in sorted(cells.items(), key=lambda item: (
-            order.index(item[0][0]) if item[0][0] in order else len(order), item[0][:3])):
+            family_rank(item[0][0]), item[0][:3])):
         if len(by_seed) > 1:
             values = ' / '.join(f'{by_seed[s]:.2f}' for s in sorted(by_seed))
             lines.append(f'| `{model}` | {recipe} | {budget:g} | {values} | '

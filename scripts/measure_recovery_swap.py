@@ -24,7 +24,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn as nn
 from measure_family_conversion import RECIPES, _kwargs_text, _tensors, _top1, train
-from measure_family_recovery import QUICK, converted_model, read_rows
+from measure_family_recovery import QUICK, converted_model, data_order, read_rows
 from paper.models import FAMILIES
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -119,7 +119,7 @@ def recover_swapped(original: nn.Module, converted: nn.Module, x: torch.Tensor, 
     loss_fn = DistillationLoss(LabelSmoothingCrossEntropy(options.smoothing), options.distill_weight,
                                options.distill_temperature)
     original.eval()
-    order = torch.cat([torch.randperm(len(x)) for _ in range(math.ceil(steps * options.batch_size / len(x)))])
+    order = data_order(len(x), steps * options.batch_size)
     for step in range(steps):
         while hybrid.swapped < stages and step >= steps * hybrid.swapped // stages:
             hybrid.swap_next()
