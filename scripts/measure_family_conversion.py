@@ -142,9 +142,7 @@ def _optimizer(model: nn.Module, recipe: Recipe, steps: int, schedule: Optional[
     if recipe.optimizer == 'adamw':
         return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=recipe.lr, total_steps=steps)
     warmup = max(1, steps // 20)
-    decay = max(1, steps - warmup)  # none in a run of `warmup` steps or fewer (the schedule's last call is at `steps`)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                        0.5 * (1 + math.cos(math.pi * (s - warmup) / decay)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule(warmup, decay_from=warmup, total=steps))
 
 
 def _step(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor) -> None:

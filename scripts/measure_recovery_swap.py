@@ -15,7 +15,6 @@ are not measured again. --quick is one narrow ResNet-18 on 128 training and 64 t
 import copy
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
-from measure_family_conversion import RECIPES, _kwargs_text, _tensors, _top1, train
+from measure_family_conversion import RECIPES, Schedule, _kwargs_text, _tensors, _top1, train
 from measure_family_recovery import QUICK, converted_model, data_order, read_rows
 from paper.models import FAMILIES
 from timm.loss import LabelSmoothingCrossEntropy
@@ -114,8 +113,7 @@ def recover_swapped(original: nn.Module, converted: nn.Module, x: torch.Tensor, 
     optimizer = create_optimizer_v2(converted, options.opt, lr=options.lr, weight_decay=options.weight_decay)
     hybrid = SwapHybrid(original, converted, swap_groups(original, stages))
     warmup = max(1, round(options.warmup * steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warmup if s < warmup else
-                                                 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule(warmup, decay_from=warmup, total=steps))
     loss_fn = DistillationLoss(LabelSmoothingCrossEntropy(options.smoothing), options.distill_weight,
                                options.distill_temperature)
     original.eval()
