@@ -330,3 +330,19 @@ def test_recovery_seeds_are_tabled_beside_each_other_and_kept_out_of_the_summary
     assert seeds_table(rows[:1]) == ''
     summary = summary_table(rows)
     assert summary.count('`resnet18`') == 1 and '84.20' in summary and '84.60' not in summary
+
+
+@pytest.mark.parametrize('recovered, original, scratch_full, expected', [
+    (84.2, 84.4, 84.0, 'convert; within 0.3 of the original'),
+    (83.9, 85.2, 84.3, 'convert; 1.30 below the original, stopped by the layer: from scratch is 0.90 below the '
+                       'original'),
+    (83.1, 83.7, 83.4, 'convert; 0.60 below the original, stopped by the recovery'),
+    (75.5, 80.0, 81.5, 'from scratch (+6.00); 4.50 below the original, stopped by the recovery'),
+    (89.3, 90.0, 10.1, 'convert; 0.70 below the original; PatchNorm from scratch does not train by this recipe '
+                       "(chance): the layer's level is not known"),
+])
+def test_verdict_names_convert_or_scratch_and_what_stops_the_recovery(monkeypatch, recovered, original, scratch_full,
+                                                                      expected):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_family_recovery import verdict
+    assert verdict(dict(recovered=recovered, original=original, scratch_full=scratch_full)) == expected
