@@ -218,6 +218,25 @@ def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: i
     return record
 
 
+def trained_original(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, runs: str) -> Path:
+    """The weights of `name` trained by `recipe`, kept under `runs` (RECIPE/MODEL/model.safetensors): trained there
+    by `train` first where they are missing."""
+    path = Path(runs) / recipe.folder(recipe_name) / name / 'model.safetensors'
+    if not path.is_file():
+        record = train(name, kwargs, path, recipe)
+        print(f"trained {name} ({recipe_name}, {record['epochs']} epochs) in {record['seconds']:.0f} s: {path}",
+              file=sys.stderr)
+    return path
+
+
+def append_row(path: Optional[str], row: Dict[str, Any]) -> None:
+    """`row` appended to the JSON-lines file at `path` (none: nowhere), its folder made where missing."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, 'a') as f:
+            f.write(json.dumps(row) + '\n')
+
+
 def load_training(path: Path) -> Dict[str, Any]:
     """The record `train` wrote beside the weights at `path`: epochs, updates an epoch, schedule (None: the fixed
     epochs' own), held-out curve and top-1, seconds."""
@@ -337,20 +356,13 @@ def main(argv=None) -> int:
     for recipe in args.recipes:
         for name in args.models:
             kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
-            folder = RECIPES[recipe].folder(recipe)
-            checkpoint = args.checkpoint or str(Path(args.runs) / folder / name / 'model.safetensors')
-            if not args.checkpoint and not Path(checkpoint).is_file():
-                record = train(name, kwargs, Path(checkpoint), RECIPES[recipe])
-                print(f"trained {name} ({recipe}, {record['epochs']} epochs) in {record['seconds']:.0f} s: "
-                      f'{checkpoint}', file=sys.stderr)
+            checkpoint = args.checkpoint or str(trained_original(name, kwargs, recipe, RECIPES[recipe], args.runs))
             if args.train_only:
                 continue
             measured = measure(name, recipe, kwargs, checkpoint, args)
             rows.append(row(measured))
             print(rows[-1], file=sys.stderr, flush=True)
-            if args.json:
-                with open(args.json, 'a') as f:
-                    f.write(json.dumps(measured) + '\n')
+            append_row(args.json, measured)
     if rows:
         print('| model | recipe | original top-1 | converted top-1 | change | agreement (test) | agreement (held-out): '
               'fit -> returned | conversion s | forward passes | epochs of training | what ran |')

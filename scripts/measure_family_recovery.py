@@ -39,8 +39,9 @@ from measure_family_conversion import (
     _step,
     _tensors,
     _top1,
+    append_row,
     load_training,
-    train,
+    trained_original,
 )
 from paper.models import FAMILIES
 from timm.utils import ParseKwargs
@@ -141,9 +142,7 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
     todo = [b for b in budgets if row_key(dict(base, budget=b)) not in done]
     if not todo:
         return []
-    checkpoint = Path(args.runs) / recipe.folder(recipe_name) / name / 'model.safetensors'
-    if not checkpoint.is_file():
-        train(name, kwargs, checkpoint, recipe)
+    checkpoint = trained_original(name, kwargs, recipe_name, recipe, args.runs)
     training = load_training(checkpoint)
     schedule = training['schedule'] and Schedule(**training['schedule'])
     base.update(original_epochs=training['epochs'], original_seconds=training['seconds'])
@@ -167,10 +166,7 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
                    seconds=time.perf_counter() - start)
         rows.append(row)
         print(table_row(row), file=sys.stderr, flush=True)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, 'a') as f:
-                f.write(json.dumps(row) + '\n')
+        append_row(args.json, row)
     return rows
 
 
@@ -235,10 +231,10 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
              + ' | '.join(f'recovered, {b:g} epoch' for b in budgets)
              + ' | from scratch, same images | from scratch, whole budget | images against from scratch | verdict |',
              '|---|---|---:|---:|' + '---:|' * len(budgets) + '---:|---:|---:|---|']
+    defaults = recipe_of(RecoverOptions(**MEASURED))
     for group in sorted(groups.values(), key=lambda g: (family_rank(g[0]['model']), g[0]['model'], g[0]['recipe'])):
         by_budget = {r['budget']: r for r in group}
         last = by_budget[max(by_budget)]
-        defaults = recipe_of(RecoverOptions(**MEASURED))
         changed = {**{k: v for k, v in last['options'].items() if defaults.get(k) != v},
                    **{f'convert.{k}': v for k, v in last['convert_options'].items()}}
         label = f"`{last['model']}`" + (f" ({_kwargs_text(changed)})" if changed else '')

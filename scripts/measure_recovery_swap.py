@@ -17,12 +17,11 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
-from measure_family_conversion import RECIPES, Schedule, _kwargs_text, _tensors, _top1, train
+from measure_family_conversion import RECIPES, Schedule, _kwargs_text, _tensors, _top1, append_row, trained_original
 from measure_family_recovery import QUICK, converted_model, data_order, read_rows
 from paper.models import FAMILIES
 from timm.loss import LabelSmoothingCrossEntropy
@@ -175,26 +174,22 @@ def main(argv=None) -> int:
             if not todo:
                 continue
             kwargs = FAMILIES.get(name, {})
-            checkpoint = Path(args.runs) / recipe.folder(recipe_name) / name / 'model.safetensors'
-            if not checkpoint.is_file():
-                train(name, kwargs, checkpoint, recipe)
+            checkpoint = trained_original(name, kwargs, recipe_name, recipe, args.runs)
             original = load_trained_model(name, checkpoint=str(checkpoint), num_classes=10, in_chans=1, **kwargs)
             converted = converted_model(original, args)
+            top1_original, top1_converted = _top1(original, tx, ty), _top1(converted, tx, ty)
             for budget, stages, seed in todo:
                 start = time.perf_counter()
                 model = recover_swapped(original, copy.deepcopy(converted), x, y, round(budget * recipe.images), stages,
                                         RecoverOptions(seed=seed))
                 row = dict(model=name, model_kwargs=_kwargs_text(kwargs), recipe=recipe_name, budget=budget,
                            stages=stages, seed=seed, test_images=args.test_images,
-                           convert_options=args.convert_kwargs, original=_top1(original, tx, ty),
-                           converted=_top1(converted, tx, ty), recovered=_top1(model, tx, ty),
+                           convert_options=args.convert_kwargs, original=top1_original,
+                           converted=top1_converted, recovered=_top1(model, tx, ty),
                            seconds=round(time.perf_counter() - start, 1))
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-                if args.json:
-                    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                    with open(args.json, 'a') as f:
-                        f.write(json.dumps(row) + '\n')
+                append_row(args.json, row)
     print(swap_table(read_rows(args.json) if args.json else rows))
     return 0
 
