@@ -6,14 +6,17 @@ from safetensors.torch import save_file
 from timm.models import create_feature_extractor
 
 import timm_affinediv  # noqa: F401  (registers patchnorm)
-from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots
+from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots, residual_init
 
 MODELS = ['resnet18', 'convnext_atto']
 
 
 def _create(name, **kwargs):
+    """With timm's start: `patchnorm`'s own starts the classifier at zero, which leaves nothing for these checks of the
+    layers' outputs and gradients to see (tests/test_residual_init.py covers that start)."""
     torch.manual_seed(0)
-    return timm.create_model(name, norm_layer='patchnorm', num_classes=4, in_chans=1, **kwargs)
+    with residual_init('timm'):
+        return timm.create_model(name, norm_layer='patchnorm', num_classes=4, in_chans=1, **kwargs)
 
 
 @pytest.fixture(params=MODELS)

@@ -8,7 +8,8 @@ Adds, without changing any of timm's own entries:
 - `patchnorm`, `affinediv` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
   `convnext_*` takes them in both MLP layouts;
 - a step inside `timm.create_model` (timm's model builder, after construction and before
-  pretrained weights load) that binds the model's `patchnorm` slots;
+  pretrained weights load) that binds the model's `patchnorm` slots and opens the residual branches timm's
+  `zero_init_last` closed (`residual_init`);
 - for the families whose constructor calls `norm_layer` as a class and never resolves a string (EVA, Swin,
   PVT-v2, XCiT, Mixer, ...), `create_model(..., norm_layer="patchnorm")` passes them the slot class the string
   names, so the string works wherever the class does; for the entrypoints that fix `norm_layer` themselves
@@ -24,6 +25,7 @@ from .. import _timm_compat as compat
 from ..errors import RegistrationError
 from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
+from .residual_init import get_residual_init, init_residual_branches
 from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
 
 __all__ = ['register', 'norm_layer_refusal']
@@ -51,6 +53,7 @@ def _binding_init_model_traits(init_model_traits):
     def init_model_traits_and_bind(model, *args, **kwargs):
         traits = init_model_traits(model, *args, **kwargs)
         bind_patchnorm(model)  # after the traits: the slots' shape check reads the model's input size from them
+        init_residual_branches(model, get_residual_init())  # before pretrained weights, which replace it
         return traits
     init_model_traits_and_bind.binds_patchnorm = True
     return init_model_traits_and_bind
