@@ -139,7 +139,7 @@ def parse_commands(lines: Sequence[Tuple[str, bool]]) -> List[Command]:
 
 #: Pages whose ```python blocks are whole programs (others show fragments): each runs, in order and in one
 #: namespace, after the page's commands.
-RUN_PYTHON = ('README.md', 'docs/hub.md')
+RUN_PYTHON = ('README.md', 'docs/hub.md', 'docs/layers.md')
 PYTHON_FENCE = re.compile(r'^\s*```python\s*$')
 
 
@@ -227,6 +227,8 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
                                              '--test-images': ['64']},
     'scripts/measure_family_recovery.py': {'--quick': []},
     'scripts/measure_recovery_swap.py': {'--quick': []},
+    'scripts/signal_propagation.py': {'--quick': []},
+    'scripts/measure_init_levers.py': {'--quick': []},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},

@@ -10,7 +10,8 @@ from conftest import SCRIPTS
 
 SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'bench_gpu', 'measure_conversion',
                 'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments',
-                'kernel_registers', 'launch_count', 'gpu_model', 'measure_family_recovery', 'measure_recovery_swap')
+                'kernel_registers', 'launch_count', 'gpu_model', 'measure_family_recovery', 'measure_recovery_swap',
+                'signal_propagation', 'measure_init_levers')
 
 
 def test_every_script_is_listed():
@@ -56,3 +57,15 @@ def test_bad_input_is_one_line_without_traceback(run_script):
     assert proc.returncode == 2 and 'Traceback' not in proc.stderr
     assert proc.stderr.strip() == ('scripts/bench.py: error: --reps 2: quartiles of the per-round ratios need at '
                                    'least 4 rounds (see --help)')
+
+
+@pytest.mark.parametrize('name,record,table', [
+    ('signal_propagation', 'signal-propagation.jsonl', 'signal-propagation.md'),
+    ('measure_init_levers', 'init-levers.jsonl', 'init-levers.md'),
+])
+def test_committed_tables_regenerate_from_their_records(run_script, tmp_path, name, record, table):
+    results = SCRIPTS.parent / 'docs' / 'results'
+    proc = run_script(name, '--json', str(results / record), '--table-only', '--table', str(tmp_path / table),
+                      timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / table).read_text() == (results / table).read_text()

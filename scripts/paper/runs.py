@@ -32,7 +32,7 @@ from .models import (
 )
 
 __all__ = ['Config', 'FULL', 'QUICK', 'EXPERIMENTS', 'Recipe', 'RECIPES', 'Setting', 'settings', 'RunResult',
-           'train_run', 'RunTask', 'run_path', 'tune_and_repeat', 'longer_budget']
+           'train_run', 'recipe_optimizer', 'RunTask', 'run_path', 'tune_and_repeat', 'longer_budget']
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def _accuracy(model: nn.Module, images: torch.Tensor, targets: torch.Tensor, bat
     return 100.0 * correct / len(targets)
 
 
-def _optimizer(model: nn.Module, recipe: str, lr: float, total_steps: int):
+def recipe_optimizer(model: nn.Module, recipe: str, lr: float, total_steps: int):
     """The optimiser and the per-step schedule call of a run (the paper protocol's without `recipe`)."""
     if not recipe:
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -223,7 +223,7 @@ def train_run(
     total_steps = steps or epochs * per_pass
     if total_steps <= 0:
         raise ValueError(f"give a positive number of epochs or steps, got epochs={epochs}, steps={steps}")
-    optimizer, schedule = _optimizer(model, recipe, lr, total_steps)
+    optimizer, schedule = recipe_optimizer(model, recipe, lr, total_steps)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     losses: List[float] = []
