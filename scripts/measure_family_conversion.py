@@ -237,6 +237,13 @@ def append_row(path: Optional[str], row: Dict[str, Any]) -> None:
             f.write(json.dumps(row) + '\n')
 
 
+def read_rows(path: Optional[str]) -> List[Dict[str, Any]]:
+    """The rows `append_row` wrote to the JSON-lines file at `path` (none, or no file: no rows)."""
+    if not path or not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def load_training(path: Path) -> Dict[str, Any]:
     """The record `train` wrote beside the weights at `path`: epochs, updates an epoch, schedule (None: the fixed
     epochs' own), held-out curve and top-1, seconds."""

@@ -41,6 +41,7 @@ from measure_family_conversion import (
     _top1,
     append_row,
     load_training,
+    read_rows,
     trained_original,
 )
 from paper.models import FAMILIES
@@ -261,12 +262,6 @@ def seeds_table(rows: List[Dict[str, Any]]) -> str:
             lines.append(f'| `{model}` | {recipe} | {budget:g} | {values} | '
                          f'{max(by_seed.values()) - min(by_seed.values()):.2f} |')
     return '\n'.join(lines) if len(lines) > 2 else ''
-
-
-def read_rows(path: Optional[str]) -> List[Dict[str, Any]]:
-    if not path or not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,6 @@ The levers (joined with `+`):
     python scripts/measure_init_levers.py --json docs/results/init-levers.jsonl --table docs/results/init-levers.md
     python scripts/measure_init_levers.py --quick --json runs/levers-quick.jsonl
 """
-import json
 import math
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import timm
 import torch
 import torch.nn.functional as F
-from measure_family_conversion import append_row
+from measure_family_conversion import append_row, read_rows
 from paper.data import load_fashion_mnist
 from paper.models import FAMILIES
 from paper.runs import recipe_optimizer
@@ -164,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.quick:
             model, runs, steps = 'resnet18', ['timm@0.05', 'default+centred+agc@0.05'], 4
         data = load_fashion_mnist(5000, 0, 2000, size=32)
-        done = {(r['model'], r['levers'], r['lr'], r['steps']) for r in _read(path)}
+        done = {(r['model'], r['levers'], r['lr'], r['steps']) for r in read_rows(str(path))}
         for spec in runs:
             levers, _, rate = spec.partition('@')
             if (model, levers, float(rate or 'nan'), steps) in done:
@@ -172,15 +171,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             row = run(model, spec, steps, data)
             append_row(str(path), row)
             print(f"{model} {spec}: top-1 {row['top1']:.2f}, loss {row['loss_every_10'][-1]:.3f}", flush=True)
-    text = table(_read(path))
+    text = table(read_rows(str(path)))
     print(text)
     if args.table:
         atomic_write(Path(args.table), text)
     return 0
-
-
-def _read(path: Path) -> List[Dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 if __name__ == '__main__':

@@ -17,7 +17,6 @@ One JSON line per model, norm and step in --json; --table-only rebuilds the tabl
     python scripts/signal_propagation.py --quick --json runs/signal-quick.jsonl
 """
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -26,7 +25,7 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from measure_family_conversion import append_row
+from measure_family_conversion import append_row, read_rows
 from paper.data import load_fashion_mnist
 from paper.models import FAMILIES
 from paper.runs import recipe_optimizer
@@ -256,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.quick:
             models, norms, steps, every = ['resnet18'], ['batchnorm', 'patchnorm'], 4, 2
         data = load_fashion_mnist(5000, 0, 0, size=32)
-        done = {(r['model'], r['norm'], r['lr'], r['step']) for r in _read(path)}
+        done = {(r['model'], r['norm'], r['lr'], r['step']) for r in read_rows(str(path))}
         for model in models:
             for norm in norms:
                 if (model, norm, args.lr, steps) in done:
@@ -266,7 +265,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     append_row(str(path), row)
                 print(f"{model} {norm}: spread {_last_stage(rows[0])['spread']:.3g} -> "
                       f"{_last_stage(rows[-1])['spread']:.3g}, loss {rows[-1]['train_loss']:.3f}", flush=True)
-    rows = _read(path)
+    rows = read_rows(str(path))
     text = table(rows)
     print(text)
     if args.table:
@@ -274,10 +273,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.plot:
         plot(rows, Path(args.plot))
     return 0
-
-
-def _read(path: Path) -> List[Dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 if __name__ == '__main__':
