@@ -206,8 +206,9 @@ def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, obj
     for r in rows:
         cells.setdefault((r['model'], r['epochs']), {})[r['variant']] = r
     lines = ['| family | native norm | optimiser | epochs | native: lr, top-1 | patchnorm: lr, top-1 | '
-             'GroupNorm: lr, top-1 | patchnorm - native [95% CI] | verdict | CPU-min |',
-             '|---|---|---|---:|---:|---:|---:|---:|---|---:|']
+             "patchnorm, timm's init: lr, top-1 | GroupNorm: lr, top-1 | patchnorm - native [95% CI] | verdict | "
+             'CPU-min |',
+             '|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|']
 
     def cell(r):
         if r is None:
@@ -227,7 +228,8 @@ def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, obj
                              lrs={v: r['lr'] for v, r in by.items()}))
         minutes = sum(r['cpu_s'] for r in by.values()) / 60
         lines.append(f"| {model} | {native_norm(model)} | {native['recipe']} | {epochs} | {cell(native)} | "
-                     f"{cell(patch)} | {cell(by.get('groupnorm'))} | **{diff:+.2f}** [{diff - half:+.2f}, "
+                     f"{cell(patch)} | {cell(by.get('patchnorm_timm_init'))} | {cell(by.get('groupnorm'))} | "
+                     f"**{diff:+.2f}** [{diff - half:+.2f}, "
                      f"{diff + half:+.2f}] | {verdict} | {minutes:.1f} |")
     counts = {v: sum(c['verdict'] == v for c in verdicts) for v in ('held', 'not held', 'within noise')}
     lines += ['', 'verdict: PatchNorm above its native norm (held), below (not held) or neither (within noise), by '

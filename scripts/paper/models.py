@@ -8,11 +8,11 @@ import torch.nn as nn
 from timm.layers import GroupNorm
 
 import timm_affinediv  # noqa: F401  (registers norm_layer='patchnorm')
-from timm_affinediv import AffineDivLinear, L2NormLinear
+from timm_affinediv import AffineDivLinear, L2NormLinear, residual_init
 
 __all__ = ['MLP_VARIANTS', 'BATCH_VARIANTS', 'RESNET_VARIANTS', 'CONVNEXT_VARIANTS', 'CONV_MODELS', 'ACTIVATIONS',
-           'LABELS', 'FAMILIES', 'FAMILY_RECIPES', 'family_variants', 'native_norm', 'mlp_model', 'conv_model',
-           'family_model']
+           'LABELS', 'FAMILIES', 'FAMILY_RECIPES', 'OPENED_FAMILIES', 'family_variants', 'native_norm', 'mlp_model',
+           'conv_model', 'family_model']
 
 MLP_VARIANTS = ('linear', 'batchnorm', 'layernorm', 'rmsnorm', 'l2normlinear', 'affinediv')
 BATCH_VARIANTS = ('linear', 'batchnorm', 'l2normlinear', 'affinediv')
@@ -40,6 +40,9 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
 FAMILY_RECIPES: Dict[str, str] = {
     name: 'sgd' if name.startswith(('resnet', 'regnet', 'densenet')) else 'adamw' for name in FAMILIES}
 _LAYERNORM_FAMILIES = ('convnext', 'vit', 'deit', 'eva', 'swin')
+#: The families whose residual branches timm closes (`zero_init_last`) and `patchnorm`'s default opens
+#: (`timm_affinediv.residual_init`): trained with timm's own initialisation too, beside the default
+OPENED_FAMILIES = ('resnet18', 'resnet50', 'regnetx_002')
 
 
 def native_norm(family: str) -> str:
@@ -48,14 +51,17 @@ def native_norm(family: str) -> str:
 
 
 def family_variants(family: str) -> Tuple[str, ...]:
-    """The norms a family is trained with: its own, `patchnorm`, and GroupNorm (4 groups) where it replaces the
-    BatchNorm of a plain ResNet."""
-    return ('native', 'patchnorm', 'groupnorm') if family == 'resnet18' else ('native', 'patchnorm')
+    """The norms a family is trained with: its own, `patchnorm`, `patchnorm` under timm's initialisation
+    (`patchnorm_timm_init`) where the default opens residual branches, and GroupNorm (4 groups) where it replaces
+    the BatchNorm of a plain ResNet."""
+    variants = ('native', 'patchnorm') + (('patchnorm_timm_init',) if family in OPENED_FAMILIES else ())
+    return variants + (('groupnorm',) if family == 'resnet18' else ())
 
 
 LABELS = dict(native='native', linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
               l2normlinear='norm-like (L2NormLinear)', affinediv='affine-like (AffineDivLinear)',
-              groupnorm='GroupNorm', layernorm2d='LayerNorm2d', identity='none', patchnorm='patchnorm')
+              groupnorm='GroupNorm', layernorm2d='LayerNorm2d', identity='none', patchnorm='patchnorm',
+              patchnorm_timm_init="patchnorm, timm's init")
 
 
 def mlp_model(variant: str, width: int = 256, depth: int = 2, act: str = 'leaky_relu', in_features: int = 784,
@@ -91,7 +97,8 @@ def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) ->
 
     resnet10t: channels 16-128, stem 16; `identity` has no norm (and `zero_init_last=False`, as there is
     no norm weight to zero), `groupnorm` 4 groups. convnext_atto: its depths, dims 16-128; `layernorm`
-    (native), `rmsnorm` (timm's RmsNorm2d) or `patchnorm`, through ConvNeXt's own norm map.
+    (native), `rmsnorm` (timm's RmsNorm2d) or `patchnorm`, through ConvNeXt's own norm map. Every norm starts
+    from timm's initialisation (`residual_init('timm')`), as the experiment was recorded.
     """
     if model == 'convnext_atto':
         if variant not in CONVNEXT_VARIANTS:
@@ -106,18 +113,20 @@ def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) ->
     if variant not in norms:
         raise ValueError(f"unknown resnet variant {variant!r}; choose from {RESNET_VARIANTS}")
     extra = dict(zero_init_last=False) if variant == 'identity' else {}
-    return timm.create_model(
-        'resnet10t', in_chans=1, num_classes=num_classes, channels=(16, 32, 64, 128), stem_width=16,
-        norm_layer=norms[variant], **extra)
+    with residual_init('timm'):
+        return timm.create_model(
+            'resnet10t', in_chans=1, num_classes=num_classes, channels=(16, 32, 64, 128), stem_width=16,
+            norm_layer=norms[variant], **extra)
 
 
 def family_model(variant: str, family: str, num_classes: int = 10) -> nn.Module:
-    """ The model of a README family (`FAMILIES`, 1 input channel) with its own norm (`native`), `patchnorm` or
-    `groupnorm` (4 groups, ResNet only). """
+    """ The model of a README family (`FAMILIES`, 1 input channel) with its own norm (`native`), `patchnorm`
+    (its default initialisation), `patchnorm_timm_init` (timm's) or `groupnorm` (4 groups, ResNet only). """
     if family not in FAMILIES:
         raise ValueError(f"unknown family model {family!r}; choose from {tuple(FAMILIES)}")
     if variant not in family_variants(family):
         raise ValueError(f"unknown {family} variant {variant!r}; choose from {family_variants(family)}")
-    norm = dict(native={}, patchnorm=dict(norm_layer='patchnorm'),
+    norm = dict(native={}, patchnorm=dict(norm_layer='patchnorm'), patchnorm_timm_init=dict(norm_layer='patchnorm'),
                 groupnorm=dict(norm_layer=functools.partial(GroupNorm, num_groups=4)))[variant]
-    return timm.create_model(family, in_chans=1, num_classes=num_classes, **FAMILIES[family], **norm)
+    with residual_init('timm' if variant == 'patchnorm_timm_init' else 'skipinit'):
+        return timm.create_model(family, in_chans=1, num_classes=num_classes, **FAMILIES[family], **norm)
