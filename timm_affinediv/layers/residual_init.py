@@ -34,6 +34,11 @@ RESIDUAL_INITS = ('skipinit', 'timm')
 _state = threading.local()
 
 
+def _check_policy(policy: str) -> None:
+    if policy not in RESIDUAL_INITS:
+        raise OptionError(f"residual_init takes one of {RESIDUAL_INITS}, got {policy!r}")
+
+
 def get_residual_init() -> str:
     """The policy `timm.create_model` applies to a `patchnorm` model's residual branches in this thread."""
     return getattr(_state, 'policy', 'skipinit')
@@ -42,8 +47,7 @@ def get_residual_init() -> str:
 @contextlib.contextmanager
 def residual_init(policy: str) -> Iterator[None]:
     """ Build `patchnorm` models with `policy` ('skipinit', the default, or 'timm') inside the block. """
-    if policy not in RESIDUAL_INITS:
-        raise OptionError(f"residual_init takes one of {RESIDUAL_INITS}, got {policy!r}")
+    _check_policy(policy)
     previous = get_residual_init()
     _state.policy = policy
     try:
@@ -65,8 +69,7 @@ def init_residual_branches(model: nn.Module, policy: str = 'skipinit') -> int:
     opened: with "skipinit", every slot whose gain timm zeroed gets `1 / sqrt(N)` for `N` such slots and, where
     there is at least one, the classifier's weight and bias start at zero; "timm" changes nothing.
     """
-    if policy not in RESIDUAL_INITS:
-        raise OptionError(f"residual_init takes one of {RESIDUAL_INITS}, got {policy!r}")
+    _check_policy(policy)
     slots = _zeroed_slots(model) if policy == 'skipinit' else []
     if not slots:
         return 0
