@@ -51,11 +51,11 @@ def native_norm(family: str) -> str:
 
 
 def family_variants(family: str) -> Tuple[str, ...]:
-    """The norms a family is trained with: its own, `patchnorm`, `patchnorm` under timm's initialisation
-    (`patchnorm_timm_init`) where the default opens residual branches, and GroupNorm (4 groups) where it replaces
-    the BatchNorm of a plain ResNet."""
-    variants = ('native', 'patchnorm') + (('patchnorm_timm_init',) if family in OPENED_FAMILIES else ())
-    return variants + (('groupnorm',) if family == 'resnet18' else ())
+    """The norms a family is trained with: its own, `patchnorm`, and, where the default opens residual branches (the
+    ResNets and RegNet), `patchnorm` under timm's initialisation (`patchnorm_timm_init`) and GroupNorm (4 groups),
+    a normaliser without batch statistics in BatchNorm's place."""
+    opened = family in OPENED_FAMILIES
+    return ('native', 'patchnorm') + (('patchnorm_timm_init', 'groupnorm') if opened else ())
 
 
 LABELS = dict(native='native', linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
@@ -121,7 +121,7 @@ def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) ->
 
 def family_model(variant: str, family: str, num_classes: int = 10) -> nn.Module:
     """ The model of a README family (`FAMILIES`, 1 input channel) with its own norm (`native`), `patchnorm`
-    (its default initialisation), `patchnorm_timm_init` (timm's) or `groupnorm` (4 groups, ResNet only). """
+    (its default initialisation), `patchnorm_timm_init` (timm's) or `groupnorm` (4 groups, ResNets and RegNet). """
     if family not in FAMILIES:
         raise ValueError(f"unknown family model {family!r}; choose from {tuple(FAMILIES)}")
     if variant not in family_variants(family):
