@@ -21,17 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from measure_family_conversion import append_row, read_rows
 from paper.data import load_fashion_mnist
-from paper.models import FAMILIES
+from paper.models import family_model
 from paper.runs import recipe_optimizer
-from timm.layers import GroupNorm
 
-import timm_affinediv
 from timm_affinediv._io import atomic_write
 from timm_affinediv.cli import positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
@@ -44,12 +41,8 @@ STEPS_PER_EPOCH, EPOCHS, BATCH = 78, 3, 64
 
 
 def build(model: str, norm: str) -> nn.Module:
-    """The families experiment's `model` with `norm`."""
-    kwargs = dict(FAMILIES[model], in_chans=1, num_classes=10)
-    layers: Dict[str, Any] = dict(batchnorm='batchnorm', groupnorm=functools.partial(GroupNorm, num_groups=4))
-    layer = layers.get(norm, 'patchnorm')
-    with timm_affinediv.residual_init('timm' if norm == 'patchnorm_timm_init' else 'skipinit'):
-        return timm.create_model(model, norm_layer=layer, **kwargs)
+    """The families experiment's `model` with `norm` (its variant `native` for BatchNorm)."""
+    return family_model('native' if norm == 'batchnorm' else norm, model)
 
 
 def _stages(model: nn.Module) -> Dict[str, nn.Module]:
