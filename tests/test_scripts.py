@@ -58,14 +58,3 @@ def test_bad_input_is_one_line_without_traceback(run_script):
     assert proc.stderr.strip() == ('scripts/bench.py: error: --reps 2: quartiles of the per-round ratios need at '
                                    'least 4 rounds (see --help)')
 
-
-@pytest.mark.parametrize('name,record,table', [
-    ('signal_propagation', 'signal-propagation.jsonl', 'signal-propagation.md'),
-    ('measure_init_levers', 'init-levers.jsonl', 'init-levers.md'),
-])
-def test_committed_tables_regenerate_from_their_records(run_script, tmp_path, name, record, table):
-    results = SCRIPTS.parent / 'docs' / 'results'
-    proc = run_script(name, '--json', str(results / record), '--table-only', '--table', str(tmp_path / table),
-                      timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / table).read_text() == (results / table).read_text()
