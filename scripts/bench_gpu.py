@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
-from timm_affinediv._io import atomic_write
 from timm_affinediv.cli import run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.files import atomic_write
 from timm_affinediv.layers import layer_kernel_paths
 from timm_affinediv.layers.kernels import KERNEL_MODES, set_kernels
 

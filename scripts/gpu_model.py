@@ -49,7 +49,6 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
-from timm_affinediv._io import atomic_write
 from timm_affinediv._torch_compat import (
     FakeTensorMode,
     TorchDispatchMode,
@@ -66,6 +65,7 @@ from timm_affinediv._torch_compat import (
 )
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.files import atomic_write
 
 aten = torch.ops.aten
 

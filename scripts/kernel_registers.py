@@ -33,10 +33,10 @@ import timm
 import torch
 
 import timm_affinediv  # noqa: F401  registers norm_layer='patchnorm'
-from timm_affinediv._io import atomic_write
 from timm_affinediv._torch_compat import FakeTensorMode, fakes_run_bodies
 from timm_affinediv.cli import run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.files import atomic_write
 
 MODELS = ('resnet50', 'convnext_tiny', 'vit_small_patch16_224')
 ARCHS = {'sm_80': 80, 'sm_90a': 90}

@@ -48,11 +48,11 @@ from timm.utils import ParseKwargs
 from torch.utils.data import DataLoader, Subset
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv._io import atomic_write, save_safetensors
 from timm_affinediv.cli import non_negative_int, positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
 from timm_affinediv.data import create_eval_loader, create_image_dataset, resolve_dataset_data_config
+from timm_affinediv.files import atomic_write, save_safetensors
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 
 

@@ -48,11 +48,11 @@ from paper.models import FAMILIES
 from timm.utils import ParseKwargs
 
 import timm_affinediv  # noqa: F401
-from timm_affinediv._io import save_safetensors
 from timm_affinediv.cli import non_negative_int, positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
 from timm_affinediv.data import resolve_dataset_data_config
+from timm_affinediv.files import save_safetensors
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 from timm_affinediv.recover import RecoverOptions, recover_model
 from timm_affinediv.train import TrainConfig

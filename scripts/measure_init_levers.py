@@ -35,10 +35,10 @@ from timm.utils import adaptive_clip_grad
 
 import timm_affinediv
 from timm_affinediv import PatchNormConv2d
-from timm_affinediv._io import atomic_write
 from timm_affinediv.cli import positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.errors import OptionError
+from timm_affinediv.files import atomic_write
 
 LEVERS = ('timm', 'open1', 'open', 'fc0', 'centred', 'agc', 'default')
 DEFAULT_RUNS = ('timm@0.00625', 'timm@0.05', 'open1@0.00625', 'open1@0.05', 'open@0.0125', 'open@0.05',

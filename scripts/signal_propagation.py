@@ -29,9 +29,9 @@ from paper.data import load_fashion_mnist
 from paper.models import family_model
 from paper.runs import recipe_optimizer
 
-from timm_affinediv._io import atomic_write
 from timm_affinediv.cli import positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
+from timm_affinediv.files import atomic_write
 
 MODELS = ('resnet18', 'resnet50', 'regnetx_002')
 NORMS = ('batchnorm', 'groupnorm', 'patchnorm', 'patchnorm_timm_init')

@@ -10,7 +10,6 @@ import torch
 
 import timm_affinediv  # noqa: F401
 from timm_affinediv import _timm_compat
-from timm_affinediv._io import atomic_dir, atomic_write
 from timm_affinediv.cli import USER_ERRORS, run_main
 from timm_affinediv.errors import (
     AffineDivError,
@@ -34,6 +33,7 @@ from timm_affinediv.errors import (
     TrainingError,
     UnsupportedTypeError,
 )
+from timm_affinediv.files import atomic_dir, atomic_write
 from timm_affinediv.model_io import load_trained_model
 
 
@@ -199,7 +199,7 @@ def test_the_layers_and_kernels_report_bad_input_as_affinediv_errors(tmp_path):
     """Each raise site named by its error class, and that class still the builtin callers catch."""
     from torch.nn.utils.rnn import pack_sequence
 
-    from timm_affinediv.cli import refuse_existing_output
+    from timm_affinediv.files import refuse_existing_output
     from timm_affinediv.layers import AffineDivLSTM, PatchNorm2d, PatchNormConv2d, bind_patchnorm, divergence_corrected
     from timm_affinediv.layers.kernels import set_kernels
     with pytest.raises(OptionError, match="scale must be 'rms' or 'l2'"):

@@ -19,7 +19,7 @@ from timm_affinediv.convert import ConvertOptions, DistillOptions
 from timm_affinediv.data import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR, FashionMNIST
 from timm_affinediv.hub import PLUGIN_HINT, push_to_hub
 from timm_affinediv.model_io import convert_to_folder
-from timm_affinediv.pipeline import publish_run
+from timm_affinediv.publish import publish_run
 from timm_affinediv.train import TrainConfig, Trainer
 
 transformers = pytest.importorskip('transformers', reason='needs the transformers extra: pip install -e ".[dev]"')

@@ -1,6 +1,7 @@
-"""The package's source as a whole: its modules import each other without a circle and reach no private name of
-another module, and every error it raises on bad input is one of `errors.py`'s (`AffineDivError`, keeping its
-builtin), never a bare builtin. Read from the source with `ast`, so a module that is never imported is checked too."""
+"""The package's source as a whole: its modules import each other without a circle, the library never imports the
+command line, and no module reaches a private name of another; every error it raises on bad input is one of
+`errors.py`'s (`AffineDivError`, keeping its builtin), never a bare builtin. Read from the source with `ast`, so a
+module that is never imported is checked too."""
 import ast
 import builtins
 import graphlib
@@ -101,10 +102,45 @@ def test_modules_import_each_other_without_a_circle():
         pytest.fail('the package modules import each other in a circle: ' + ' -> '.join(error.args[1]))
 
 
+#: The command line, the top layer: the shared flags and error handling, one module a command, `python -m`
+COMMAND_LINE = ('cli', 'commands', '__main__')
+
+
+def _is_command_line(module: str) -> bool:
+    return module.split('.')[0] in COMMAND_LINE
+
+
+def _reached(graph: Dict[str, Set[str]], module: str) -> Set[str]:
+    """Every module `module` imports, directly or through others."""
+    reached, todo = set(), [module]
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    return reached
+
+
+def test_the_library_never_imports_the_command_line():
+    """The commands are built on the library, never the other way: what a library module needs of the command line
+    (a check, a default) lives in the library, and the command line imports it from there."""
+    graph = _graph()
+    assert 'cli' in graph['commands.convert'], 'the walk sees the commands import the command line'
+    upward = [f'{module} imports {target}' for module, targets in sorted(graph.items())
+              if not _is_command_line(module) for target in sorted(targets) if _is_command_line(target)]
+    assert not upward, 'library modules that import the command line:\n' + '\n'.join(upward)
+
+
+def test_the_recovery_does_not_reach_the_demo_pipeline():
+    """`recover` and the demo (`pipeline`) share what lies below both (`publish`, `train`), not each other."""
+    reached = _reached(_graph(), 'recover')
+    assert {'publish', 'train'} <= reached, 'the walk follows the recovery\'s imports'
+    assert 'pipeline' not in reached, 'recover imports the demo pipeline, directly or through another module'
+
+
 def test_no_module_reaches_another_modules_private_names():
     """`from .x import _name` and `x._name` between the package's modules: a name one module uses from another is
-    public within the package. Modules with a private name (`_io`, `_timm_compat`, `_triton`, ...) may be imported
-    whole: their functions are the package's."""
+    public within the package. Modules with a private name (`_state_dict`, `_timm_compat`, `_triton`, ...) may be
+    imported whole: their functions are the package's."""
     reaches = []
     for module, path in MODULES.items():
         bound = {}  # local names of imported package modules

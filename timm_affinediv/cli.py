@@ -4,20 +4,21 @@ Every command (`timm_affinediv.commands`) parses its flags with `ArgumentParser`
 input stops before any work with one line (`timm-affinediv finetune: error: argument --train-subset: -1 is not a
 positive integer`) and exit status 2, and runs its `main` through `run_main`, which turns the package's user-facing
 errors (a checkpoint that does not fit, a folder that is not a Hub folder, data that is missing, ...) into one line
-on stderr and exit status 2 instead of a traceback. `refuse_existing_output` is the one check that a command would
-overwrite earlier results.
+on stderr and exit status 2 instead of a traceback. `refuse_existing_output` (the library's, from
+`timm_affinediv.files`) is the one check that a command would overwrite earlier results.
 """
 import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import timm
 from timm.utils import ParseKwargs
 
 from . import _timm_compat as compat
-from .errors import AffineDivError, DataError, OutputExistsError
+from .errors import AffineDivError, DataError
+from .files import refuse_existing_output
 
 __all__ = [
     'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
@@ -256,22 +257,6 @@ def data_location(args: argparse.Namespace) -> str:
     if not args.dataset and not args.data_dir:
         raise DataError("--dataset '' reads an image folder: pass --data-dir PATH")
     return args.dataset if args.dataset else args.data_dir
-
-
-def refuse_existing_output(path: str | Path, flag: str = '--overwrite', names: Optional[Iterable[str]] = None) -> None:
-    """ Raise `OutputExistsError` (a `FileExistsError`) if `path` holds earlier results: any entry, or one of
-    `names` when the command writes only those files into a folder that may hold others. Call it before any work
-    starts, unless told to overwrite.
-    """
-    path = Path(path)
-    if names is not None:
-        found = [name for name in names if (path / name).exists()]
-    else:
-        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else ([path.name] if path.exists() else [])
-    if found:
-        shown = ', '.join(found[:5]) + (f' and {len(found) - 5} more' if len(found) > 5 else '')
-        raise OutputExistsError(f'{path} holds earlier results ({shown}); pass {flag} to replace them, '
-                                'or choose another --output.')
 
 
 def run_main(main: Callable[[Optional[Sequence[str]]], int], argv: Optional[Sequence[str]] = None,

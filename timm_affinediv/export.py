@@ -16,8 +16,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ._io import atomic_write
 from .errors import ExportError
+from .files import atomic_write
 
 __all__ = ['ExportError', 'export_onnx', 'validate_onnx', 'relative_error']
 

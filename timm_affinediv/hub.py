@@ -41,10 +41,10 @@ from timm.models import model_entrypoint, register_model
 from torch import nn
 
 from ._hub_folder import CONFIG_NAME, WEIGHTS_NAME, check_labels, check_weights_file, missing_weights, read_config
-from ._io import atomic_dir, save_safetensors
 from ._state_dict import check_finite, describe_mismatch
 from ._timm_compat import download_from_hf, get_model_input_config, save_config_for_hf
 from .errors import HubError, OptionError, OutputExistsError
+from .files import atomic_dir, save_safetensors
 from .labels import LABEL_KEYS, model_labels
 from .layers.binding import fake_eval
 

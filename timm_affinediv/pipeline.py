@@ -13,14 +13,13 @@ from typing import Any, Dict, Optional
 
 import torch.nn as nn
 
-from ._timm_compat import get_model_args
-from .cli import refuse_existing_output
-from .data import is_fashion_mnist
-from .hub import PLOT_NAME, model_card_template, save_hub_folder
-from .model_io import convert_to_folder, hub_dataset, load_trained_model
-from .train import TrainConfig, Trainer, TrainResult
+from .files import refuse_existing_output
+from .hub import model_card_template
+from .model_io import convert_to_folder, load_trained_model
+from .publish import publish_run
+from .train import TrainConfig, Trainer, final_top1
 
-__all__ = ['PipelineConfig', 'run_pipeline', 'publish_run', 'final_top1', 'train_config']
+__all__ = ['PipelineConfig', 'run_pipeline', 'train_config']
 
 _logger = logging.getLogger(__name__)
 
@@ -47,45 +46,6 @@ class PipelineConfig:
     workers: int = 2
     seed: int = 0
     overwrite: bool = False
-
-
-def final_top1(metrics: Dict[str, float], k: int = 1) -> float:
-    """Top-k (%) of a run's metrics: of the EMA weights when there are some (those are the final weights)."""
-    return metrics.get(f'ema_val_top{k}', metrics[f'val_top{k}'])
-
-
-def publish_run(
-        result: TrainResult,
-        folder: Optional[str] = None,
-        dataset: str = 'fashion-mnist',
-        data_dir: Optional[str] = None,
-        recipe: Optional[str] = None,
-        extra_files: Optional[Dict[str, str]] = None,
-        base_model: Optional[str] = None,
-        base_model_description: Optional[str] = None,
-        overwrite: bool = False,
-) -> Path:
-    """ The Hub-ready folder (default `<output>/model`) of a finished run: its measured metrics, the evaluation set
-    and the training curves (`metrics.png`, copied into the folder) in the card. `base_model` is the Hub id of the
-    model it was fine-tuned or converted from, `base_model_description` that model in words.
-    """
-    folder = Path(folder or Path(result.output_dir) / 'model')
-    model = result.model
-    norm_layer = get_model_args(model).get('norm_layer')
-    recipe = recipe or (f'Trained with timm-affinediv\'s trainer: {len(result.history)} epochs, '
-                        f'see train_config.json in the run folder.')
-    dataset_name = 'Fashion-MNIST' if is_fashion_mnist(dataset) else dataset or Path(data_dir or 'images').name
-    card = dict(datasets=[hub_dataset(dataset, data_dir)], dataset_name=dataset_name, recipe=recipe,
-                norm_layer=norm_layer, eval_set=result.eval_set or None, base_model=base_model,
-                base_model_description=base_model_description,
-                model_name=f"{result.model_name}-{norm_layer or 'baseline'}-{dataset_name.lower()}")
-    extra_files = dict(extra_files or {})
-    plot = Path(result.output_dir) / PLOT_NAME
-    if plot.is_file():
-        extra_files[PLOT_NAME] = plot.read_bytes()
-    metrics = dict(top1=round(final_top1(result.metrics), 2), top5=round(final_top1(result.metrics, 5), 2))
-    return save_hub_folder(model, folder, model_args=get_model_args(model), card=card, metrics=metrics,
-                           extra_files=extra_files, overwrite=overwrite)
 
 
 def train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:

@@ -23,14 +23,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-from ._io import atomic_write, save_safetensors
 from ._timm_compat import get_model_args
 from .convert import model_in_chans
 from .convert.rebuild import architecture
 from .errors import ConfigError
+from .files import atomic_write, save_safetensors
 from .model_io import convert_to_folder, load_trained_model
-from .pipeline import final_top1, publish_run
-from .train import TrainConfig, Trainer, TrainResult, resolve_checkpoint
+from .publish import publish_run
+from .train import TrainConfig, Trainer, TrainResult, final_top1, resolve_checkpoint
 
 __all__ = ['RecoverOptions', 'RecoveryReport', 'recover_model', 'REPORT_NAME', 'CONVERTED_FOLDER']
 

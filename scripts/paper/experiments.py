@@ -5,8 +5,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from timm_affinediv._io import atomic_write
 from timm_affinediv.errors import MissingFileError
+from timm_affinediv.files import atomic_write
 
 from .analysis import ANALYSES, plot, summary_row
 from .runs import EXPERIMENTS, FULL, QUICK, RECIPES, Config, longer_budget, settings, tune_and_repeat

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm.optim import create_optimizer_v2
 from timm.scheduler import CosineLRScheduler
 
-from timm_affinediv._io import atomic_write
+from timm_affinediv.files import atomic_write
 
 from .data import Splits, load_fashion_mnist
 from .models import (

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from timm_affinediv._io import atomic_write
 from timm_affinediv.diagnostics import divergence_report
+from timm_affinediv.files import atomic_write
 
 from .runs import Config, RunResult, Setting, cached_splits, run_path, train_run
 

@@ -44,7 +44,7 @@ from timm_affinediv.cli import (
 from timm_affinediv.commands import command_parser
 from timm_affinediv.commands.recipe_args import add_recipe_arguments, parse_with_config
 from timm_affinediv.data import DataError
-from timm_affinediv.pipeline import final_top1, publish_run
+from timm_affinediv.publish import publish_run
 from timm_affinediv.train import (
     EVAL_METRICS,
     NonFiniteLossError,
@@ -52,6 +52,7 @@ from timm_affinediv.train import (
     Trainer,
     TrainingError,
     TrainingInterrupted,
+    final_top1,
 )
 
 _logger = logging.getLogger('finetune')

@@ -12,5 +12,5 @@ from .config import (
     load_timm_args,
 )
 from .distill import DistillationLoss, create_teacher
-from .metrics import evaluate, plot_history
+from .metrics import evaluate, final_top1, plot_history
 from .trainer import Trainer, create_train_loss, create_train_model

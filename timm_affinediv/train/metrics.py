@@ -14,10 +14,16 @@ import torch.nn.functional as F
 from timm.utils import accuracy
 from tqdm import tqdm
 
-from .._io import atomic_write
+from ..files import atomic_write
 from .config import ConfigError
 
-__all__ = ['evaluate', 'plot_history', 'write_metrics']
+__all__ = ['evaluate', 'final_top1', 'plot_history', 'write_metrics']
+
+
+def final_top1(metrics: Dict[str, float], k: int = 1) -> float:
+    """Top-k (%) of a run's metrics (`TrainResult.metrics`, or one entry of its history): of the EMA weights where
+    there are some, as those are the final weights."""
+    return metrics.get(f'ema_val_top{k}', metrics[f'val_top{k}'])
 
 
 def plot_history(history: Sequence[Dict[str, float]], path: str) -> None:

@@ -45,7 +45,6 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .._hub_folder import check_folder
-from .._io import atomic_dir, atomic_write, save_safetensors
 from ..data import (
     BatchNormalizer,
     create_eval_loader,
@@ -58,6 +57,7 @@ from ..data import (
     resolve_dataset_data_config,
     set_loader_epoch,
 )
+from ..files import atomic_dir, atomic_write, save_safetensors
 from ..labels import label_config, with_labels
 from ..layers.binding import bind_patchnorm
 from .checkpoint import (

@@ -1,19 +1,23 @@
-""" Atomic writes: a file or a folder is either complete or not there (or still the one it replaces)
+""" Writing results: atomic files and folders, safetensors weights, and the check that an output holds none yet
 
-Everything is written under a hidden temporary name beside its destination, on the same file system, and renamed
-into place once complete; a failure removes the temporary and leaves the destination as it was.
+A file or a folder is either complete or not there (or still the one it replaces): everything is written under a
+hidden temporary name beside its destination, on the same file system, and renamed into place once complete; a
+failure removes the temporary and leaves the destination as it was. `refuse_existing_output` is the check, before
+any work starts, that a run would not overwrite earlier results.
 """
 import os
 import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ['atomic_write', 'atomic_dir', 'save_safetensors']
+from .errors import OutputExistsError
+
+__all__ = ['atomic_write', 'atomic_dir', 'save_safetensors', 'refuse_existing_output']
 
 PathLike = Union[str, os.PathLike]
 
@@ -81,3 +85,19 @@ def atomic_dir(path: PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             _remove(tmp)
+
+
+def refuse_existing_output(path: PathLike, flag: str = '--overwrite', names: Optional[Iterable[str]] = None) -> None:
+    """ Raise `OutputExistsError` (a `FileExistsError`) if `path` holds earlier results: any entry, or one of
+    `names` when the run writes only those files into a folder that may hold others. Call it before any work
+    starts, unless told to overwrite; `flag` is what the message tells the user to pass to replace them.
+    """
+    path = Path(path)
+    if names is not None:
+        found = [name for name in names if (path / name).exists()]
+    else:
+        found = sorted(p.name for p in path.iterdir()) if path.is_dir() else ([path.name] if path.exists() else [])
+    if found:
+        shown = ', '.join(found[:5]) + (f' and {len(found) - 5} more' if len(found) > 5 else '')
+        raise OutputExistsError(f'{path} holds earlier results ({shown}); pass {flag} to replace them, '
+                                'or choose another --output.')
