@@ -7,7 +7,8 @@ constructor only calls a class), then a forward and backward in train mode and a
 2 at the model's smallest input size, and the divergence factor of its bound layers measured (one SGD step,
 float64) against the constant `c`. Part 2 (`--families`): every model of the named families, built and bound.
 
-Writes `docs/coverage.md` (a table and the summary line "N of M timm families") and `docs/coverage.json`.
+Writes `docs/results/coverage.md` (a table and the summary line "N of M timm families") and its record
+`docs/results/coverage.json`; `--merge docs/results/coverage.json` writes the table again from the record alone.
 
     python scripts/coverage.py                      # part 1
     python scripts/coverage.py --families resnet convnext vision_transformer   # part 2 too
@@ -343,7 +344,8 @@ def _sweep_lines(sweep: List[Row]) -> List[str]:
 
 def main(argv=None) -> int:
     parser = command_parser('coverage', __doc__, prog='scripts/coverage.py')
-    parser.add_argument('--output', default='docs/coverage.md')
+    parser.add_argument('--output', default='docs/results/coverage.md',
+                        help='the table; its record is written beside it, as .json')
     parser.add_argument('--modules', nargs='*', help='timm modules to cover (default: all)')
     parser.add_argument('--families', nargs='*', default=[],
                         help=f'sweep every model of these modules, build and bind only (README: {README_FAMILIES})')

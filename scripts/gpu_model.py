@@ -24,16 +24,19 @@ per-launch floor; a step's GPU time is their sum. The CPU issues the launches ah
 inside a step), so a step takes the longer of the GPU's sum and the CPU's (a per-operation cost, see `CPU_COSTS`).
 Every parameter and its source is in `GPUS`, `FRACTIONS` and `CPU_COSTS`; `--calibration` sets the torch path's
 predicted ratios beside the H200 measurements (scripts/data/h200-2026-12-04, with how they were taken; the results in
-docs/performance.md). Every figure it prints is predicted, but for those measurements.
+docs/results/performance.md). Every figure it prints is predicted, but for those measurements. `--table-only` prints
+the tables of a record written by `--json`, tracing nothing.
 
     python scripts/gpu_model.py                                 # resnet50, convnext_tiny: H100 and H200, CL and NCHW
     python scripts/gpu_model.py --models resnet50 --gpus h200 --layouts channels_last --json model.json
+    python scripts/gpu_model.py --json model.json --table-only  # the record's tables, nothing traced
     python scripts/gpu_model.py --calibration --top 12          # torch path beside the H200 measurements
 """
 import collections
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import math
 import pathlib
@@ -1069,7 +1072,8 @@ def _variants(rows: List[Prediction]) -> Dict[Tuple, Dict[str, Prediction]]:
     return table
 
 
-def print_predictions(rows: List[Prediction], top: int) -> None:
+def print_step_times(rows: List[Prediction]) -> None:
+    """The predicted step times of every model, step, layout and GPU, each variant beside the native model."""
     table = _variants(rows)
     labels = [Step('', n, p, '', 0, 0, '').label for n, p in VARIANTS]
     present = [label for label in labels if any(label in v for v in table.values())]
@@ -1080,6 +1084,24 @@ def print_predictions(rows: List[Prediction], top: int) -> None:
         native = variants['native']
         cells = [_cell(variants[label], native) if label in variants else '-' for label in present]
         print(f'| {model} | {mode} | {layout} | {GPUS[gpu].name} | ' + ' | '.join(cells) + ' |')
+
+
+def print_bytes(rows: List[Prediction]) -> None:
+    """What the Triton kernels move in each step on the H200 against PatchNorm's lower bound."""
+    fused = [p for p in rows if p.gpu == 'h200' and p.step.label == 'patchnorm (triton)' and p.bound_bytes]
+    if not fused:
+        return
+    print("\nGB the Triton kernels move in a step against PatchNorm's lower bound (**predicted**, H200 trace):\n")
+    print('| model | step | layout | Triton kernels GB | lower bound GB | ratio |')
+    print('|---|---|---|---:|---:|---:|')
+    for p in fused:
+        print(f'| {p.step.model} | {p.step.mode} | {p.step.layout} | {p.triton_bytes / 1e9:.1f} | '
+              f'{p.bound_bytes / 1e9:.1f} | {p.triton_bytes / p.bound_bytes:.2f}x |')
+
+
+def print_predictions(rows: List[Prediction], top: int) -> None:
+    table = _variants(rows)
+    print_step_times(rows)
     shown = 'h200' if any(p.gpu == 'h200' for p in rows) else rows[0].gpu
     for (model, mode, layout, gpu), variants in table.items():
         if gpu != shown:
@@ -1102,14 +1124,16 @@ def print_predictions(rows: List[Prediction], top: int) -> None:
                   f'{fused.bound_bytes / 1e9:.2f} GB ({fused.triton_bytes / fused.bound_bytes:.2f}x its lower bound).')
 
 
-def print_calibration(rows: List[Prediction]) -> None:
-    """The torch path's predicted ratios on the H200 beside the measured ones."""
+def print_calibration(rows: List[Prediction], measured_steps: Optional[Dict[Tuple[str, str, str], Tuple]] = None
+                      ) -> None:
+    """The torch path's predicted ratios on the H200 beside the measured ones (`MEASURED_H200` unless given)."""
+    measured_steps = MEASURED_H200 if measured_steps is None else measured_steps
     print('\nThe torch path on the H200, **predicted** against **measured** (ms a step; ratio patchnorm / native):\n')
     print('| model | step | layout | native predicted / measured | patchnorm predicted / measured | '
           'ratio predicted | ratio measured | agreement |')
     print('|---|---|---|---:|---:|---:|---:|---:|')
     for (model, mode, layout, gpu), variants in _variants(rows).items():
-        measured = MEASURED_H200.get((model, mode, layout))
+        measured = measured_steps.get((model, mode, layout))
         if gpu != 'h200' or measured is None or 'patchnorm (torch)' not in variants:
             continue
         native, patch = variants['native'], variants['patchnorm (torch)']
@@ -1126,6 +1150,29 @@ def _as_json(p: Prediction) -> dict:
                 by_phase_ms={k: v * 1e3 for k, v in p.by_phase.items()}, by_kind_bytes=p.by_kind_bytes,
                 triton_bytes=p.triton_bytes, lower_bound_bytes=p.bound_bytes,
                 by_op_ms={k: v * 1e3 for k, v in p.by_op.items()})
+
+
+def _from_json(row: dict) -> Prediction:
+    """A prediction as `_as_json` wrote it."""
+    seconds = lambda times: {k: v / 1e3 for k, v in times.items()}  # noqa: E731
+    return Prediction(Step(**row['step']), row['gpu'], row['gpu_ms'] / 1e3, row['cpu_ms'] / 1e3, row['launches'],
+                      row['bytes'], row['flops'], seconds(row['by_kind_ms']), seconds(row['by_phase_ms']),
+                      seconds(row['by_op_ms']), row['by_kind_bytes'], row['triton_bytes'], row['lower_bound_bytes'])
+
+
+def print_record(path: str) -> None:
+    """The tables of a record `--json` wrote: step times, the Triton kernels' bytes, the calibration."""
+    record = json.loads(pathlib.Path(path).read_text())
+    rows = [_from_json(row) for row in record['predictions']]
+    measured = {tuple(k.split('/')): tuple(v) for k, v in record['measured_h200_s'].items()}
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_step_times(rows)
+        print_bytes(rows)
+        if any(p.gpu == 'h200' and p.step.label == 'patchnorm (torch)' and
+               (p.step.model, p.step.mode, p.step.layout) in measured for p in rows):
+            print_calibration(rows, measured)
+    print(text.getvalue().strip('\n'))
 
 
 def _names(text: str, allowed: Sequence[str], flag: str) -> List[str]:
@@ -1150,7 +1197,14 @@ def main(argv=None) -> int:
     parser.add_argument('--calibration', action='store_true',
                         help='the torch path on the H200 in the measured configurations, beside the measurements')
     parser.add_argument('--json', default=None, metavar='OUT', help='also write the predictions here')
+    parser.add_argument('--table-only', action='store_true',
+                        help='trace nothing: print the tables of the record --json names')
     args = parser.parse_args(argv)
+    if args.table_only:
+        if not args.json or not pathlib.Path(args.json).is_file():
+            parser.error('--table-only reads the record that --json names: give an existing file')
+        print_record(args.json)
+        return 0
     try:
         models = [m for m in args.models.split(',') if m]
         unknown = [m for m in models if not timm.is_model(m)]

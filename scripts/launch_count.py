@@ -9,12 +9,15 @@ operations of a profiler trace (custom ops transparent: the operations inside th
 The kernels' values come from their torch twins (`layers/kernels/_torch.py`), which the count leaves out, so no
 interpreter is needed; the launchers' own operations (allocations, the reduction of partial sums) count.
 
-    python scripts/launch_count.py                       # resnet50, convnext_tiny: 64 px, batch 2
+    python scripts/launch_count.py --json counts.json    # resnet50, convnext_tiny: 64 px, batch 2; also a record
+    python scripts/launch_count.py --json counts.json --table-only   # the record's table, nothing counted
     python scripts/launch_count.py --models resnet18 --top 10
 """
 import collections
+import json
 import sys
-from typing import Dict, Tuple
+from pathlib import Path
+from typing import Dict, List, Tuple
 
 import timm
 import torch
@@ -106,26 +109,48 @@ def count(name: str, norm: str, img_size: int, batch: int) -> Tuple[collections.
     return _count_events(prof.events()), triton_launches[0]
 
 
+def _table(rows) -> List[str]:
+    lines = ['| model | native | patchnorm (aten + Triton) | ratio | native, autocast casts counted | patchnorm, '
+             'autocast casts counted | ratio | most added aten ops |', '|---|---:|---:|---:|---:|---:|---:|---|']
+    for r in rows:
+        native, total, triton = r['native'], r['patchnorm'], r['patchnorm_triton']
+        native_cast, cast = native + r['native_autocast_casts'], total + r['patchnorm_autocast_casts']
+        top = ', '.join(f'{op} +{n}' for op, n in r['added'])
+        lines.append(f"| {r['model']} | {native} | {total} ({total - triton} + {triton}) | {total / native:.2f}x | "
+                     f'{native_cast} | {cast} | {cast / native_cast:.2f}x | {top} |')
+    return lines
+
+
 def main(argv=None) -> int:
     parser = command_parser('launch_count', __doc__, prog='scripts/launch_count.py')
     parser.add_argument('--models', nargs='+', default=['resnet50', 'convnext_tiny'])
     parser.add_argument('--img-size', type=int, default=64)
     parser.add_argument('--batch-size', type=int, default=2)
     parser.add_argument('--top', type=int, default=8, help='aten ops listed where patchnorm launches more')
+    parser.add_argument('--json', default=None, metavar='FILE', help='also write the counts here (a record)')
+    parser.add_argument('--table-only', action='store_true',
+                        help='count nothing: print the table of the record --json names')
     args = parser.parse_args(argv)
-    print('| model | native | patchnorm (aten + Triton) | ratio | native, autocast casts counted | patchnorm, '
-          'autocast casts counted | ratio | most added aten ops |')
-    print('|---|---:|---:|---:|---:|---:|---:|---|')
+    if args.table_only:
+        if not args.json or not Path(args.json).is_file():
+            parser.error('--table-only reads the record that --json names: give an existing file')
+        print('\n'.join(_table(json.loads(Path(args.json).read_text())['rows'])))
+        return 0
+    rows = []
     for name in args.models:
         native, _ = count(name, '', args.img_size, args.batch_size)
         patchnorm, triton_launches = count(name, 'patchnorm', args.img_size, args.batch_size)
         native_casts, casts = native.pop(AUTOCAST_CAST, 0), patchnorm.pop(AUTOCAST_CAST, 0)
-        total_native, total = sum(native.values()), sum(patchnorm.values()) + triton_launches
         added: Dict[str, int] = {op: n - native.get(op, 0) for op, n in patchnorm.items() if n > native.get(op, 0)}
-        top = ', '.join(f'{op} +{n}' for op, n in sorted(added.items(), key=lambda kv: -kv[1])[:args.top])
-        print(f'| {name} | {total_native} | {total} ({total - triton_launches} + {triton_launches}) | '
-              f'{total / total_native:.2f}x | {total_native + native_casts} | {total + casts} | '
-              f'{(total + casts) / (total_native + native_casts):.2f}x | {top} |')
+        rows.append(dict(model=name, native=sum(native.values()),
+                         patchnorm=sum(patchnorm.values()) + triton_launches, patchnorm_triton=triton_launches,
+                         native_autocast_casts=native_casts, patchnorm_autocast_casts=casts,
+                         added=sorted(added.items(), key=lambda kv: -kv[1])[:args.top]))
+        print(_table(rows)[-1] if len(rows) > 1 else '\n'.join(_table(rows)), flush=True)
+    if args.json:
+        record = dict(torch=torch.__version__, timm=timm.__version__, img_size=args.img_size,
+                      batch_size=args.batch_size, rows=rows)
+        Path(args.json).write_text(json.dumps(record, indent=1) + '\n')
     return 0
 
 

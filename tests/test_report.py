@@ -139,6 +139,12 @@ def _record(script: str, record: str) -> Callable[[Path], str]:
     return regenerate
 
 
+def _coverage(tmp: Path) -> str:
+    """scripts/coverage.py's page, written again from its record alone (`--merge`)."""
+    run_command(f'python scripts/coverage.py --merge docs/results/coverage.json --output {tmp}/coverage.md')
+    return (tmp / 'coverage.md').read_text()
+
+
 #: docs/results/NAME.md -> how its script writes it again into a temporary folder
 TABLE_FILES: Dict[str, Callable[[Path], str]] = {
     'mlp.md': _experiment('mlp'),
@@ -147,6 +153,7 @@ TABLE_FILES: Dict[str, Callable[[Path], str]] = {
     'families.md': _experiment('families'),
     'signal-propagation.md': _record('signal_propagation', 'signal-propagation.jsonl'),
     'init-levers.md': _record('measure_init_levers', 'init-levers.jsonl'),
+    'coverage.md': _coverage,
 }
 
 BLOCKS = [block for page in PAGES if page.name not in TABLE_FILES for block in parse_page(page)[0]]
