@@ -13,15 +13,21 @@ plain loop and kept under `--runs/RECIPE/MODEL`, with `train.json` (its schedule
 - `adamw`: AdamW (lr 3e-3, weight decay 0.05), epochs of 4000 images, batch 64;
 - `sgd`: SGD (momentum 0.9, Nesterov, lr 0.05, weight decay 5e-4), epochs of 20000 images, batch 128;
 
-no augmentation, BatchNorm statistics re-estimated on 2048 training images. By default an original trains until it
-stops improving, as a published checkpoint does: a warm-up over half an epoch, then the peak rate until the best
-top-1 on 2000 held-out training images (the last of the split's fixed order: never trained, calibrated or distilled
-on) has risen by less than 0.3 points an epoch over the last two epochs (at most 30 epochs), then a cosine to 0 over
-a further fifth of the epochs run. `--epochs E` trains E epochs instead, the schedule spanning them (adamw:
-one-cycle; sgd: 5% warm-up then cosine), kept under `--runs/RECIPE-Eep/MODEL`; docs/families.md's conversion table
-is `--epochs 2`.
+no augmentation, BatchNorm statistics re-estimated on 2048 training images (the default --recipes);
 
-    python scripts/measure_family_conversion.py                       # every family, both recipes: the table
+- `augmented`: trained as timm trains a published checkpoint: AdamW as `adamw`, 4 epochs of 20000 images
+  (one-cycle), batch 64, each image augmented anew by timm's training transform (random-resized crop of area 0.35-1,
+  horizontal flip 0.5), each batch by timm's `Mixup` (mixup 0.2 or cutmix 1.0, label smoothing 0.1) and a
+  soft-target cross-entropy; BatchNorm statistics re-estimated on 2048 un-augmented training images.
+
+By default an `adamw` or `sgd` original trains until it stops improving, as a published checkpoint does: a warm-up over
+half an epoch, then the peak rate until the best top-1 on 2000 held-out training images (the last of the split's fixed
+order: never trained, calibrated or distilled on) has risen by less than 0.3 points an epoch over the last two epochs
+(at most 30 epochs), then a cosine to 0 over a further fifth of the epochs run. `--epochs E` trains E epochs instead
+(`augmented` too), the schedule spanning them (adamw, augmented: one-cycle; sgd: 5% warm-up then cosine), kept under
+`--runs/RECIPE-Eep/MODEL`; docs/families.md's conversion table is `--epochs 2`.
+
+    python scripts/measure_family_conversion.py                       # every family, adamw and sgd: the table
     python scripts/measure_family_conversion.py --models tinynet_e regnetx_002 --recipes sgd --train-only
     python scripts/measure_family_conversion.py --models tinynet_e --recipes adamw --distill-images 4096 \\
         --convert-kwargs distill.epochs=2 distill.threshold=1 --json runs/curve.jsonl
@@ -31,6 +37,7 @@ is `--epochs 2`.
 import copy
 import json
 import math
+import random
 import shlex
 import sys
 import time
@@ -38,12 +45,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from paper.models import FAMILIES
-from timm.data import create_transform
+from timm.data import Mixup, create_transform
+from timm.loss import SoftTargetCrossEntropy
 from timm.utils import ParseKwargs
 from torch.utils.data import DataLoader, Subset
 
@@ -59,14 +68,15 @@ from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_i
 @dataclass
 class Recipe:
     """How an original is trained: the optimiser, its peak learning rate and weight decay, epochs over the first
-    `images` training images (a fixed random subset), the batch. `epochs` None: until held-out top-1 stops rising
-    (`train`)."""
+    `images` training images (a fixed random subset), the batch, and whether each batch is augmented (`Augmented`).
+    `epochs` None: until held-out top-1 stops rising (`train`)."""
     optimizer: str
     lr: float
     weight_decay: float
     images: int
     batch_size: int
     epochs: Optional[int] = None
+    augment: bool = False
 
     def folder(self, name: str) -> str:
         """The recipe's folder under --runs: its name, with the epochs where they are fixed."""
@@ -76,7 +86,14 @@ class Recipe:
 RECIPES = {
     'adamw': Recipe('adamw', 3e-3, 0.05, images=4000, batch_size=64),
     'sgd': Recipe('sgd', 0.05, 5e-4, images=20000, batch_size=128),
+    'augmented': Recipe('adamw', 3e-3, 0.05, images=20000, batch_size=64, epochs=4, augment=True),
 }
+#: The recipes measured without --recipes: the originals of the committed tables
+DEFAULT_RECIPES = ['adamw', 'sgd']
+#: The `augmented` recipe's per-image augmentation (`create_transform`'s training arguments) and `Mixup`'s
+AUGMENT = dict(scale=(0.35, 1.), hflip=0.5, color_jitter=0., interpolation='random')
+MIXUP = dict(mixup_alpha=0.2, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5, mode='batch', label_smoothing=0.1,
+             num_classes=10)
 #: The plateau rule: held-out top-1 points an epoch, on this many held-out training images, within this many epochs
 PLATEAU_RISE, PLATEAU_IMAGES, MAX_EPOCHS = 0.3, 2000, 30
 #: The cosine after the plateau, as a share of the epochs run before it
@@ -118,15 +135,40 @@ def _tensors(split: str, images: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(xs), torch.cat(ys)
 
 
+def held_out_indices(size: int, images: int) -> List[int]:
+    """The last `images` of the fixed random order (seed 0) of a split of `size` images, the order `_tensors` and the
+    conversion take their images from the front of, sorted."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(0))[-images:].sort().values.tolist()
+
+
 def _tensors_held_out(images: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The last `images` of the training split's fixed random order (seed 0, the order `_tensors` and the conversion
-    take their images from the front of), read with the eval transforms."""
+    """The training split's `held_out_indices`, read with the eval transforms."""
     cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
     source = create_image_dataset('fashion-mnist', None, 'train', in_chans=1,
                                   transform=create_transform(**cfg, is_training=False))
-    order = torch.randperm(len(source), generator=torch.Generator().manual_seed(0))[-images:]
-    xs, ys = zip(*DataLoader(Subset(source, order.sort().values.tolist()), batch_size=500))
+    xs, ys = zip(*DataLoader(Subset(source, held_out_indices(len(source), images)), batch_size=500))
     return torch.cat(xs), torch.cat(ys)
+
+
+class Augmented:
+    """ The `augmented` recipe's batches: the images `_tensors('train', images)` reads (the same order), each read
+    anew through timm's training transform (`AUGMENT`), then mixed by timm's `Mixup` into soft targets. The crops
+    draw from `random`, the flips from torch, the mixing from numpy: all three seeded here, so a run is repeatable."""
+
+    def __init__(self, images: int, seed: int = 0):
+        random.seed(seed)
+        np.random.seed(seed)
+        cfg = resolve_dataset_data_config('fashion-mnist', in_chans=1)
+        source = create_image_dataset('fashion-mnist', None, 'train', in_chans=1,
+                                      transform=create_transform(**{**cfg, **AUGMENT}, is_training=True))
+        order = torch.randperm(len(source), generator=torch.Generator().manual_seed(0))[:images]
+        self.images = Subset(source, order.sort().values.tolist())  # `_tensors`' subset (`create_eval_loader`)
+        self.mixup = Mixup(**MIXUP)
+
+    def __call__(self, batch: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The augmented images at indices `batch` and their soft targets."""
+        xs, ys = zip(*(self.images[i] for i in batch.tolist()))
+        return self.mixup(torch.stack(xs), torch.tensor(ys))
 
 
 def _optimizer(model: nn.Module, recipe: Recipe, steps: int, schedule: Optional[Schedule] = None):
@@ -146,20 +188,22 @@ def _optimizer(model: nn.Module, recipe: Recipe, steps: int, schedule: Optional[
 
 
 def _step(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor) -> None:
-    loss = F.cross_entropy(model(x), y)
+    """One update on labels `y`, or on soft targets (`Augmented`'s: float, one row an image)."""
+    loss = SoftTargetCrossEntropy()(model(x), y) if y.is_floating_point() else F.cross_entropy(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     schedule.step()
 
 
-def _epoch(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
-    """One pass over (x, y) in a new random order, in whole batches."""
+def _epoch(model: nn.Module, optimizer, schedule, x: torch.Tensor, y: torch.Tensor, batch_size: int,
+           augmented: Optional[Augmented] = None) -> None:
+    """One pass over (x, y) in a new random order, in whole batches (`augmented`'s view of them where given)."""
     model.train()
     order = torch.randperm(len(x))
     for i in range(len(x) // batch_size):
         batch = order[i * batch_size:(i + 1) * batch_size]
-        _step(model, optimizer, schedule, x[batch], y[batch])
+        _step(model, optimizer, schedule, *(augmented(batch) if augmented else (x[batch], y[batch])))
 
 
 def _top1(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -174,19 +218,23 @@ def plateaued(curve: List[float]) -> bool:
 
 
 def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: int = 0) -> Dict[str, Any]:
-    """The original, by `recipe`'s plain loop, no augmentation, for its epochs or (None) until `plateaued` then a
-    cosine over a further `DECAY_SHARE` of them; BatchNorm statistics then re-estimated on 2048 of the images (the
-    eval-mode model is the one trained). Its weights go to `path`, its record (`load_training`) beside them."""
+    """The original, by `recipe`'s plain loop (augmented where the recipe is: `Augmented`), for its epochs or (None)
+    until `plateaued` then a cosine over a further `DECAY_SHARE` of them; BatchNorm statistics then re-estimated on
+    2048 of the un-augmented images (the eval-mode model is the one trained). Its weights go to `path`, its record
+    (`load_training`) beside them."""
     start = time.perf_counter()
     x, y = _tensors('train', recipe.images)
     torch.manual_seed(seed)
     model = timm.create_model(name, num_classes=10, in_chans=1, **kwargs)
+    augmented = Augmented(recipe.images, seed) if recipe.augment else None
     per_epoch = len(x) // recipe.batch_size
     record: Dict[str, Any] = dict(steps_per_epoch=per_epoch, heldout_images=PLATEAU_IMAGES, schedule=None)
+    if augmented:
+        record.update(augment=AUGMENT, mixup=MIXUP)
     if recipe.epochs is not None:
         optimizer, schedule = _optimizer(model, recipe, recipe.epochs * per_epoch)
         for _ in range(recipe.epochs):
-            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size, augmented)
         record.update(epochs=recipe.epochs)
     else:
         hx, hy = _tensors_held_out(PLATEAU_IMAGES)
@@ -194,12 +242,12 @@ def train(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe, seed: i
         optimizer, schedule = _optimizer(model, recipe, 0, plan)
         curve: List[float] = []
         while not plateaued(curve) and len(curve) < MAX_EPOCHS:
-            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size, augmented)
             curve.append(_top1(model, hx, hy))
         decay_epochs = max(1, math.ceil(DECAY_SHARE * len(curve)))
         plan.decay_from, plan.total = len(curve) * per_epoch, (len(curve) + decay_epochs) * per_epoch
         for _ in range(decay_epochs):
-            _epoch(model, optimizer, schedule, x, y, recipe.batch_size)
+            _epoch(model, optimizer, schedule, x, y, recipe.batch_size, augmented)
         record.update(epochs=len(curve) + decay_epochs, heldout_curve=curve, schedule=asdict(plan))
     model.train()
     with torch.no_grad():
@@ -335,8 +383,8 @@ def row(m: Dict[str, Any]) -> str:
 def main(argv=None) -> int:
     parser = command_parser('measure_family_conversion', __doc__, prog='scripts/measure_family_conversion.py')
     parser.add_argument('--models', nargs='+', default=list(FAMILIES), help='timm model names (default: every family)')
-    parser.add_argument('--recipes', nargs='+', default=list(RECIPES), choices=list(RECIPES),
-                        help='how the originals are trained (default: both)')
+    parser.add_argument('--recipes', nargs='+', default=DEFAULT_RECIPES, choices=list(RECIPES),
+                        help='how the originals are trained (default: %(default)s)')
     parser.add_argument('--model-kwargs', nargs='*', default=None, action=ParseKwargs,
                         help="the model's arguments (default: the family's model in FAMILIES)")
     parser.add_argument('--checkpoint', help='the trained weights (safetensors) of the one model of --models, '
