@@ -10,19 +10,31 @@ is not trained again), converted with `convert_model`'s defaults on the images `
 recovery trains on the original's training images (the recipe's fixed random subset of the training split) and
 evaluates on the test images only at the end of its budget (`--recover-kwargs evaluations=1 patience=None` are the
 defaults here: the top-1 is that of a finished schedule, and no choice is made on the test images; the trained
-model is measured, never the conversion kept in its place). Each row is
-appended to --json as a JSON line as soon as it is measured; a row already there (same model, recipe, budget,
-images and options) is not measured again, so a sweep stopped part-way continues where it stopped. Without --quick,
-the sweep is every family, both recipes and the four budgets (hours on a CPU): the lead runs it, e.g. with
---json runs/family-recovery.jsonl. --quick is one narrow ResNet-18 on 128 training and 64 test images, two budgets
-(seconds), to check the script.
+model is measured, never the conversion kept in its place).
+
+`--command-defaults` measures instead what `timm-affinediv convert --recover` gives a user: `RecoverOptions`' own
+defaults (evaluations, stop rule, the rate's choice, the conversion kept where it is better), budget one epoch. Its
+choices are made on `--val-images` held-out training images (the last of the split's fixed order, never trained on),
+the recovery's validation split; the returned model's top-1 is then measured on the test images. Its rows keep the
+whole recovery report (the curve, why it stopped, the images spent) and are tabled per recipe; `--recipes
+augmented` is the originals trained with timm's usual augmentation (`measure_family_conversion.py`).
+
+Each row is appended to --json as a JSON line as soon as it is measured; a row already there (same model, recipe,
+budget, images and options) is not measured again, so a sweep stopped part-way continues where it stopped. Without
+--quick, the sweep is every family, the adamw and sgd recipes and the four budgets (hours on a CPU): the lead runs
+it, e.g. with --json runs/family-recovery.jsonl. --quick is one narrow ResNet-18 on 128 training and 64 test images,
+two budgets (seconds), to check the script.
 
     python scripts/measure_family_recovery.py --quick --json runs/recovery-quick.jsonl
+    python scripts/measure_family_recovery.py --quick --command-defaults --recipes augmented
 """
 import copy
 import dataclasses
+import gzip
 import json
 import math
+import os
+import struct
 import sys
 import time
 from pathlib import Path
@@ -31,7 +43,9 @@ from typing import Any, Dict, List, Optional
 import timm
 import torch
 from measure_family_conversion import (
+    DEFAULT_RECIPES,
     RECIPES,
+    Augmented,
     Recipe,
     Schedule,
     _kwargs_text,
@@ -40,6 +54,7 @@ from measure_family_conversion import (
     _tensors,
     _top1,
     append_row,
+    held_out_indices,
     load_training,
     read_rows,
     trained_original,
@@ -51,7 +66,7 @@ import timm_affinediv  # noqa: F401
 from timm_affinediv.cli import non_negative_int, positive_float, positive_int, run_main
 from timm_affinediv.commands import command_parser
 from timm_affinediv.convert import ConvertOptions, convert_model
-from timm_affinediv.data import resolve_dataset_data_config
+from timm_affinediv.data import FASHION_MNIST_DIR, FashionMNIST, resolve_dataset_data_config
 from timm_affinediv.files import save_safetensors
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 from timm_affinediv.recover import RecoverOptions, recover_model
@@ -60,8 +75,10 @@ from timm_affinediv.train import TrainConfig
 BUDGETS = (0.125, 0.25, 0.5, 1.0)
 #: `RecoverOptions` of the measurement over the defaults: one evaluation, at the budget's end, and no stop rule
 MEASURED = dict(evaluations=1, patience=None)
-QUICK = dict(models=['resnet18'], recipes=['adamw'], budgets=[0.5, 1.0], epochs=1, train_images=128,
-             calib_batches=2, heldout_images=64, distill_images=128, test_images=64)
+QUICK = dict(models=['resnet18'], budgets=[0.5, 1.0], epochs=1, train_images=128, calib_batches=2,
+             heldout_images=64, distill_images=128, test_images=64, val_images=64)
+#: The recovery's validation split with --command-defaults: this many held-out training images
+VAL_IMAGES = 1024
 
 
 def recipe_of(options: RecoverOptions) -> Dict[str, Any]:
@@ -74,17 +91,18 @@ def train_scratch(name: str, kwargs: Dict[str, Any], path: Path, recipe: Recipe,
                   schedule: Optional[Schedule], seed: int = 0) -> None:
     """`name` with `norm_layer='patchnorm'` trained from scratch by `recipe`'s optimiser and the original's schedule
     (`schedule` scaled to the run, or None: the fixed epochs' schedule spanning it) on `images` of the original's
-    training images: passes over them, each in a new random order."""
+    training images: passes over them, each in a new random order, augmented as the original was (`Augmented`)."""
     x, y = _tensors('train', recipe.images)
     torch.manual_seed(seed)
     model = timm.create_model(name, num_classes=10, in_chans=1, norm_layer='patchnorm', **kwargs)
+    augmented = Augmented(recipe.images, seed) if recipe.augment else None
     steps = max(1, images // recipe.batch_size)
     optimizer, schedule = _optimizer(model, recipe, steps, schedule and schedule.scaled(steps))
     order = data_order(len(x), steps * recipe.batch_size)
     model.train()
     for i in range(steps):
         batch = order[i * recipe.batch_size:(i + 1) * recipe.batch_size]
-        _step(model, optimizer, schedule, x[batch], y[batch])
+        _step(model, optimizer, schedule, *(augmented(batch) if augmented else (x[batch], y[batch])))
     path.parent.mkdir(parents=True, exist_ok=True)
     save_safetensors(model.state_dict(), path)
 
@@ -126,20 +144,50 @@ def converted_model(original: torch.nn.Module, args) -> torch.nn.Module:
 
 
 def row_key(row: Dict[str, Any]) -> tuple:
-    """What makes two rows the same measurement."""
+    """What makes two rows the same measurement: a --command-defaults row (`defaults`, its `val_images`) is never
+    the same as a fixed-budget one (rows without `defaults` are fixed-budget rows)."""
     return tuple(json.dumps(row[k], sort_keys=True) for k in (
         'model', 'model_kwargs', 'recipe', 'budget', 'train_images', 'fixed_epochs', 'test_images', 'options',
-        'convert_options'))
+        'convert_options')) + (bool(row.get('defaults')), row.get('val_images'))
+
+
+def _write_idx(path: Path, array) -> None:
+    """`array` (uint8) as a gzipped IDX file, the format `FashionMNIST` reads, written whole or not at all."""
+    header = struct.pack('>HBB', 0, 0x08, array.ndim) + struct.pack(f'>{array.ndim}I', *array.shape)
+    part = path.with_name(path.name + '.part')
+    with gzip.open(part, 'wb') as f:
+        f.write(header + array.tobytes())
+    os.replace(part, path)
+
+
+def held_out_split(folder: Path, images: int) -> str:
+    """A Fashion-MNIST folder under `folder` whose training split is the real one (linked) and whose validation split
+    is the training split's last `images` (`held_out_indices`: never trained on by the originals or the recovery),
+    so that the recovery's choices with --command-defaults never see the test images."""
+    folder = folder / f'heldout-{images}'
+    if not (folder / 't10k-labels-idx1-ubyte.gz').is_file():
+        train = FashionMNIST(FASHION_MNIST_DIR, split='train')
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind in ('images-idx3', 'labels-idx1'):
+            link = folder / f'train-{kind}-ubyte.gz'
+            if not link.exists():
+                os.symlink(Path(FASHION_MNIST_DIR).resolve() / link.name, link)
+        index = held_out_indices(len(train), images)
+        _write_idx(folder / 't10k-images-idx3-ubyte.gz', train.images[index])
+        _write_idx(folder / 't10k-labels-idx1-ubyte.gz', train.targets[index].astype('uint8'))
+    return str(folder)
 
 
 def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe, budgets: List[float], done: set,
             args) -> List[Dict[str, Any]]:
     """The rows of one original not in `done`: its conversion, recovered after each budget, beside PatchNorm from
-    scratch; each appended to --json as it is measured."""
-    options = recipe_of(RecoverOptions(**{**MEASURED, **args.recover_kwargs}))
+    scratch (with --command-defaults: on the whole budget only); each appended to --json as it is measured."""
+    defaults = args.command_defaults
+    options = recipe_of(RecoverOptions(**{**({} if defaults else MEASURED), **args.recover_kwargs}))
     base = dict(model=name, model_kwargs=_kwargs_text(kwargs), recipe=recipe_name, train_images=recipe.images,
                 fixed_epochs=recipe.epochs, test_images=args.test_images, options=options,
-                convert_options=args.convert_kwargs)
+                convert_options=args.convert_kwargs, defaults=defaults,
+                **(dict(val_images=args.val_images) if defaults else {}))
     todo = [b for b in budgets if row_key(dict(base, budget=b)) not in done]
     if not todo:
         return []
@@ -152,21 +200,33 @@ def measure(name: str, kwargs: Dict[str, Any], recipe_name: str, recipe: Recipe,
         return []
     original = load_trained_model(name, checkpoint=str(checkpoint), num_classes=10, in_chans=1, **kwargs)
     converted = converted_model(original, args)
+    if defaults:  # the test top-1s, measured here: the recovery's own are on its held-out validation split
+        test = _tensors('validation', args.test_images)
+        top1s = dict(original=_top1(original, *test), converted=_top1(converted, *test))
+        data = dict(data_dir=held_out_split(Path(args.output), args.val_images))
+    else:  # one evaluation, at the budget's end, on the test images: the recovery's own top-1s are the test's
+        data = dict(val_subset=args.test_images)
     rows = []
     for budget in todo:
         start = time.perf_counter()
-        output = Path(args.output) / recipe.folder(recipe_name) / name / f'epochs-{budget:g}'
-        train_cfg = TrainConfig(dataset='fashion-mnist', train_subset=recipe.images, val_subset=args.test_images,
-                                workers=args.workers, progress=False, output=str(output))
-        recipe_options = RecoverOptions(epochs=budget, keep_converted=False, **options)
-        _, report = recover_model(original, copy.deepcopy(converted), recipe_options, train=train_cfg)
-        row = dict(base, budget=budget, images=report.images, original=report.original_top1,
-                   converted=report.converted_top1, recovered=report.recovered_top1, stopped=report.stopped,
-                   scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, schedule, args),
-                   scratch_full=full,
-                   seconds=time.perf_counter() - start)
+        output = (Path(args.output) / recipe.folder(recipe_name) / name
+                  / f"{'defaults-' if defaults else ''}epochs-{budget:g}")
+        train_cfg = TrainConfig(dataset='fashion-mnist', train_subset=recipe.images, workers=args.workers,
+                                progress=False, output=str(output), **data)
+        recipe_options = RecoverOptions(epochs=budget, **options, **({} if defaults else dict(keep_converted=False)))
+        recovered, report = recover_model(original, copy.deepcopy(converted), recipe_options, train=train_cfg)
+        if defaults:
+            row = dict(base, budget=budget, images=report.images, **top1s, recovered=_top1(recovered.cpu(), *test),
+                       stopped=report.stopped, scratch_full=full)
+        else:
+            row = dict(base, budget=budget, images=report.images, original=report.original_top1,
+                       converted=report.converted_top1, recovered=report.recovered_top1, stopped=report.stopped,
+                       scratch=scratch_top1(name, kwargs, recipe_name, recipe, report.images, schedule, args),
+                       scratch_full=full)
+        row.update(seconds=time.perf_counter() - start,
+                   report={k: v for k, v in report.to_dict().items() if k != 'options'})
         rows.append(row)
-        print(table_row(row), file=sys.stderr, flush=True)
+        print(defaults_row(row) if defaults else table_row(row), file=sys.stderr, flush=True)
         append_row(args.json, row)
     return rows
 
@@ -246,6 +306,36 @@ def summary_table(rows: List[Dict[str, Any]]) -> str:
     return '\n'.join(lines)
 
 
+def defaults_row(r: Dict[str, Any]) -> str:
+    """A --command-defaults row's line: the options it changes from `RecoverOptions`' defaults beside its model, the
+    test top-1s, why it stopped, the training images it spent (with the rate's choice, where the report counts
+    them apart) of its budget's, and PatchNorm from scratch on the original's whole budget."""
+    base = recipe_of(RecoverOptions())
+    changed = {**({'epochs': r['budget']} if r['budget'] != RecoverOptions().epochs else {}),
+               **{k: v for k, v in r['options'].items() if base.get(k) != v},
+               **{f'convert.{k}': v for k, v in r['convert_options'].items()}}
+    label = f"`{r['model']}`" + (f" ({_kwargs_text(changed)})" if changed else '')
+    report = r['report']
+    spent = r['images'] + report.get('sweep_images', 0)
+    return (f"| {label} | {r['original']:.2f} | {r['converted']:.2f} | **{r['recovered']:.2f}** | {r['stopped']} | "
+            f"{spent:,} of {report['budget_images']:,} | {r['scratch_full']:.2f} |")
+
+
+def defaults_tables(rows: List[Dict[str, Any]]) -> str:
+    """Per recipe, the --command-defaults rows (`defaults_row`), in the families' order."""
+    recipes = sorted({r['recipe'] for r in rows}, key=lambda n: (list(RECIPES) + [n]).index(n))
+    tables = []
+    for recipe in recipes:
+        group = sorted((r for r in rows if r['recipe'] == recipe), key=lambda r: (
+            family_rank(r['model']), r['model'], r['budget'], json.dumps(r['options'], sort_keys=True)))
+        tables.append(f"With the command's defaults ({recipe} originals; test top-1; the recovery's choices on "
+                      f"{group[0]['val_images']} held-out training images):\n\n"
+                      '| family | original | converted | recovered (defaults) | stopped | images spent | '
+                      'from scratch, whole budget |\n|---|---:|---:|---:|---|---:|---:|\n'
+                      + '\n'.join(defaults_row(r) for r in group))
+    return '\n\n'.join(tables)
+
+
 def seeds_table(rows: List[Dict[str, Any]]) -> str:
     """Per original and budget measured with more than one recovery seed (`--recover-kwargs seed=N`; the same
     original and conversion): the recovered top-1 of each seed and their spread (max - min)."""
@@ -267,12 +357,15 @@ def seeds_table(rows: List[Dict[str, Any]]) -> str:
 def main(argv=None) -> int:
     parser = command_parser('measure_family_recovery', __doc__, prog='scripts/measure_family_recovery.py')
     parser.add_argument('--models', nargs='+', default=list(FAMILIES), help='timm model names (default: every family)')
-    parser.add_argument('--recipes', nargs='+', default=list(RECIPES), choices=list(RECIPES),
-                        help="how the originals are trained (measure_family_conversion's recipes; default: both)")
+    parser.add_argument('--recipes', nargs='+', choices=list(RECIPES),
+                        help="how the originals are trained (measure_family_conversion's recipes; default: "
+                             f"{' and '.join(DEFAULT_RECIPES)}; with --quick: adamw)")
     parser.add_argument('--model-kwargs', nargs='*', default=None, action=ParseKwargs,
                         help="the model's arguments (default: the family's model in FAMILIES)")
-    parser.add_argument('--budgets', type=positive_float, nargs='+', default=list(BUDGETS),
-                        help="the recovery's budgets, in epochs of the original's training images")
+    parser.add_argument('--budgets', type=positive_float, nargs='+',
+                        help="the recovery's budgets, in epochs of the original's training images (default: "
+                             f"{' '.join(f'{b:g}' for b in BUDGETS)}; with --command-defaults: the command's, "
+                             f'{RecoverOptions().epochs:g})')
     parser.add_argument('--runs', default='runs/family-conversion',
                         help='where the trained originals (shared with measure_family_conversion) and the PatchNorm '
                              'models trained from scratch are kept')
@@ -288,7 +381,14 @@ def main(argv=None) -> int:
     parser.add_argument('--convert-kwargs', nargs='*', default={}, action=ParseKwargs,
                         help='ConvertOptions over their defaults, by dotted names (e.g. distill.epochs=0)')
     parser.add_argument('--recover-kwargs', nargs='*', default={}, action=ParseKwargs,
-                        help=f'RecoverOptions over their defaults and {MEASURED} (e.g. lr=1e-4 distill_weight=0.7)')
+                        help=f'RecoverOptions over their defaults and {MEASURED} (with --command-defaults: over '
+                             'their defaults alone; e.g. lr=1e-4 distill_weight=0.7)')
+    parser.add_argument('--command-defaults', action='store_true',
+                        help="measure what the command gives: RecoverOptions' defaults, the conversion kept where it "
+                             'is better, choices on --val-images held-out training images')
+    parser.add_argument('--val-images', type=positive_int, default=VAL_IMAGES,
+                        help="the recovery's validation split with --command-defaults: the last N of the training "
+                             "split's fixed order")
     parser.add_argument('--workers', type=non_negative_int, default=0, help="the recovery's data loading processes")
     parser.add_argument('--originals-only', action='store_true',
                         help='train the missing originals and PatchNorm from scratch on their whole budgets (what '
@@ -300,11 +400,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK, runs=str(Path(args.output) / 'originals'))
+    args.recipes = args.recipes or (['adamw'] if args.quick else DEFAULT_RECIPES)
+    args.budgets = args.budgets or ([RecoverOptions().epochs] if args.command_defaults else list(BUDGETS))
     wrong = sorted(set(args.recover_kwargs) - {f.name for f in dataclasses.fields(RecoverOptions)} | (
         {'epochs', 'keep_converted'} & set(args.recover_kwargs)))
     if wrong:
         parser.error(f"--recover-kwargs: {', '.join(wrong)} is not a RecoverOptions field set here (the budget is "
-                     '--budgets; the trained model is always measured)')
+                     '--budgets; the trained model is measured, or with --command-defaults what the command keeps)')
     unknown = [name for name in args.models if not timm.is_model(name)]
     if unknown:
         parser.error(f"--models: {', '.join(unknown)} is not a timm model name (timm.list_models() has them)")
@@ -319,15 +421,19 @@ def main(argv=None) -> int:
             kwargs = FAMILIES.get(name, {}) if args.model_kwargs is None else args.model_kwargs
             rows += measure(name, kwargs, recipe_name, recipe, args.budgets, done, args)
     shown = read_rows(args.json) if args.json else rows
-    print('| model | recipe | budget (epochs) | images | original top-1 | converted | recovered | change | PatchNorm '
-          'from scratch, same images | PatchNorm from scratch, whole budget |')
-    print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
-    print('\n'.join(table_row(r) for r in shown))
-    if shown:
-        print('\n' + summary_table(shown))
-        seeds = seeds_table(shown)
+    fixed = [r for r in shown if not r.get('defaults')]
+    if fixed or not shown:
+        print('| model | recipe | budget (epochs) | images | original top-1 | converted | recovered | change | '
+              'PatchNorm from scratch, same images | PatchNorm from scratch, whole budget |')
+        print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|')
+        print('\n'.join(table_row(r) for r in fixed))
+    if fixed:
+        print('\n' + summary_table(fixed))
+        seeds = seeds_table(fixed)
         if seeds:
             print('\nThe recovery seeds (same original and conversion):\n\n' + seeds)
+    if len(fixed) < len(shown):
+        print('\n' + defaults_tables([r for r in shown if r.get('defaults')]))
     print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''))
     return 0
 
