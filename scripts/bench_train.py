@@ -67,10 +67,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfg = TrainConfig(
-        model=args.model, model_kwargs=args.model_kwargs, num_classes=10, batch_size=args.batch_size,
-        train_subset=args.batch_size * args.steps, val_subset=args.batch_size, workers=0, epochs=10 ** 6,
-        smoothing=0., sched='none', progress=not args.no_progress, log_interval=50, amp=args.amp, device=args.device,
-        output='runs/bench_train')
+        model=args.model, model_kwargs=args.model_kwargs, dataset='fashion-mnist', num_classes=10,
+        batch_size=args.batch_size, train_subset=args.batch_size * args.steps, val_subset=args.batch_size, workers=0,
+        epochs=10 ** 6, smoothing=0., sched='none', progress=not args.no_progress, log_interval=50, amp=args.amp,
+        device=args.device, output='runs/bench_train')
     trainer = Trainer(cfg)
     device = trainer.device
     batches = list(trainer.train_loader)

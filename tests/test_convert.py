@@ -567,8 +567,8 @@ def test_convert_to_folder_calibrates_on_a_python_iterable_of_batches(tmp_path):
     from timm_affinediv.model_io import convert_to_folder
     x, _ = _tensors('train', 40)
     model = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW['resnet18']).eval()
-    _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), calibration=(x[i:i + 16] for i in range(0, 40, 16)),
-                                     eval_images=0, options=fit_only())
+    _, report, _ = convert_to_folder(model, str(tmp_path / 'out'), dataset='fashion-mnist', eval_images=0,
+                                     calibration=(x[i:i + 16] for i in range(0, 40, 16)), options=fit_only())
     assert report.calibration_batches == 3 and report.calibration_images == 40 and report.layers
     assert 'on 40 given images (3 batches, no labels)' in ' '.join((tmp_path / 'out' / 'README.md').read_text().split())
 

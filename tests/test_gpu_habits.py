@@ -84,9 +84,10 @@ def test_finetune_saves_a_folder_that_reloads_with_the_runs_logits(flags, tmp_pa
 
 
 def _config(output, **overrides) -> TrainConfig:
-    settings = dict(model='resnet18', model_kwargs=dict(NARROW), norm_layer='patchnorm', num_classes=10, epochs=2,
-                    train_subset=64, val_subset=16, batch_size=16, workers=0, lr=3e-3, output=str(output),
-                    progress=False, log_interval=1, channels_last=True, model_ema=True, model_ema_decay=0.9)
+    settings = dict(model='resnet18', model_kwargs=dict(NARROW), norm_layer='patchnorm', dataset='fashion-mnist',
+                    num_classes=10, epochs=2, train_subset=64, val_subset=16, batch_size=16, workers=0, lr=3e-3,
+                    output=str(output), progress=False, log_interval=1, channels_last=True, model_ema=True,
+                    model_ema_decay=0.9)
     settings.update(overrides)
     return TrainConfig(**settings)
 

@@ -46,15 +46,16 @@ def folders(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp('folders')
     torch.manual_seed(0)
     baseline = timm.create_model('resnet18', num_classes=10, in_chans=1, **NARROW).eval()
-    converted, _, _ = convert_to_folder(baseline, str(tmp / 'converted'), calib_images=32, batch_size=16,
-                                        eval_images=32,
+    converted, _, _ = convert_to_folder(baseline, str(tmp / 'converted'), dataset='fashion-mnist', calib_images=32,
+                                        batch_size=16, eval_images=32,
                                         heldout_images=0, distill_images=0,
                                         options=ConvertOptions(distill=DistillOptions(epochs=0)))
     result = Trainer(TrainConfig(
-        model='resnet18', norm_layer='patchnorm', num_classes=10, epochs=1, train_subset=32, val_subset=16,
-        batch_size=16, workers=0, output=str(tmp / 'run'), progress=False), model=copy.deepcopy(converted)).fit()
+        model='resnet18', norm_layer='patchnorm', dataset='fashion-mnist', num_classes=10, epochs=1, train_subset=32,
+        val_subset=16, batch_size=16, workers=0, output=str(tmp / 'run'), progress=False),
+        model=copy.deepcopy(converted)).fit()
     return {'converted': (converted.eval(), tmp / 'converted'),
-            'finetuned': (result.model.eval(), publish_run(result, str(tmp / 'finetuned')))}
+            'finetuned': (result.model.eval(), publish_run(result, str(tmp / 'finetuned'), dataset='fashion-mnist'))}
 
 
 @pytest.mark.parametrize('name', ['converted', 'finetuned'])

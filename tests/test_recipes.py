@@ -32,8 +32,8 @@ pytestmark = pytest.mark.skipif(
 def recipe(output, **overrides) -> TrainConfig:
     """One epoch of 2 batches of 16 (32 train, 16 validation images), patchnorm narrow resnet18."""
     settings = dict(
-        model='resnet18', model_kwargs=dict(NARROW), norm_layer='patchnorm', num_classes=10, epochs=1,
-        train_subset=32, val_subset=16, batch_size=16, workers=0, lr=3e-3, output=str(output), progress=False,
+        model='resnet18', model_kwargs=dict(NARROW), norm_layer='patchnorm', dataset='fashion-mnist', num_classes=10,
+        epochs=1, train_subset=32, val_subset=16, batch_size=16, workers=0, lr=3e-3, output=str(output), progress=False,
         log_interval=1)
     settings.update(overrides)
     return TrainConfig(**settings)
@@ -157,7 +157,8 @@ def test_config_yaml_of_train_py(tmp_path):
     assert settings['scale'] == (0.08, 1.0) and settings['initial_checkpoint'] is None
     assert not {'device', 'data_dir', 'workers', 'output', 'log_wandb', 'some_future_flag'} & set(settings)
     cfg = TrainConfig(**{**settings, 'output': str(tmp_path / 'run'), 'train_subset': 32, 'val_subset': 16,
-                         'workers': 0, 'num_classes': 10, 'norm_layer': 'patchnorm', 'progress': False})
+                         'workers': 0, 'num_classes': 10, 'norm_layer': 'patchnorm', 'progress': False,
+                         'dataset': 'fashion-mnist'})
     trainer = Trainer(cfg)
     assert isinstance(trainer.train_loss_fn, BinaryCrossEntropy) and trainer.train_loader.collate_fn.mixup_alpha == 0.1
     assert type(trainer.optimizer).__name__ == 'Lamb'

@@ -42,7 +42,8 @@ def models():
 def run(models, output, **options):
     """`recover_model` on 256 training images (8 updates an epoch) and 128 held-out ones, batch 32."""
     original, converted = models
-    train = TrainConfig(train_subset=256, val_subset=128, workers=0, progress=False, output=str(output))
+    train = TrainConfig(dataset='fashion-mnist', train_subset=256, val_subset=128, workers=0, progress=False,
+                        output=str(output))
     settings = dict(batch_size=32, warmup=0., patience=None, keep_converted=False)
     return recover_model(copy.deepcopy(original), copy.deepcopy(converted), RecoverOptions(**{**settings, **options}),
                          train=train)
@@ -170,8 +171,8 @@ def test_resume_after_an_interrupt_gives_the_uninterrupted_result(models, tmp_pa
             run(models, tmp_path / 'cut', **options)
     assert not (tmp_path / 'cut' / 'model').exists()
     original, converted = models
-    train = TrainConfig(train_subset=256, val_subset=128, workers=0, progress=False, output=str(tmp_path / 'cut'),
-                        resume=str(tmp_path / 'cut'))
+    train = TrainConfig(dataset='fashion-mnist', train_subset=256, val_subset=128, workers=0, progress=False,
+                        output=str(tmp_path / 'cut'), resume=str(tmp_path / 'cut'))
     resumed_model, resumed = recover_model(
         copy.deepcopy(original), copy.deepcopy(converted),
         RecoverOptions(batch_size=32, warmup=0., patience=None, **options), train=train)

@@ -47,8 +47,8 @@ pytestmark = pytest.mark.skipif(
 def tiny_config(output, **overrides) -> TrainConfig:
     """A run of a few seconds: narrow resnet18, 256 train / 128 val images, 32x32, batch 32."""
     settings = dict(
-        model='resnet18', model_kwargs=dict(TINY), num_classes=10, epochs=2, train_subset=256, val_subset=128,
-        batch_size=32, workers=0, lr=3e-3, output=str(output), progress=False, log_interval=2)
+        model='resnet18', model_kwargs=dict(TINY), dataset='fashion-mnist', num_classes=10, epochs=2, train_subset=256,
+        val_subset=128, batch_size=32, workers=0, lr=3e-3, output=str(output), progress=False, log_interval=2)
     settings.update(overrides)
     return TrainConfig(**settings)
 
@@ -107,6 +107,16 @@ def _image_folder(root, classes=('a', 'b'), per_class=4):
         os.makedirs(root / 'train' / c)
         for i in range(per_class):
             Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(root / 'train' / c / f'{i}.png')
+
+
+def test_the_library_has_no_default_dataset(tmp_path):
+    """A run, a conversion and a published run say which data they read: no built-in one is assumed."""
+    from timm_affinediv.model_io import convert_to_folder
+    with pytest.raises(ConfigError, match="no dataset given: pass dataset='fashion-mnist'"):
+        TrainConfig(output=str(tmp_path)).validate()
+    TrainConfig(data_dir=str(tmp_path), output=str(tmp_path)).validate()  # the image folder there
+    with pytest.raises(ConfigError, match='no dataset given'):
+        convert_to_folder(tiny_model(), str(tmp_path / 'out'))
 
 
 def test_image_folder_and_its_errors(tmp_path):

@@ -25,13 +25,13 @@ from timm.data.loader import fast_collate
 from timm.data.random_erasing import RandomErasing
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Subset
 
-from .errors import DataError
+from .errors import ConfigError, DataError
 
 __all__ = [
     'DataError', 'FashionMNIST', 'FASHION_MNIST_DIR', 'FASHION_MNIST_MEAN', 'FASHION_MNIST_STD',
-    'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'create_image_dataset', 'dataset_num_classes', 'dataset_class_names',
-    'resolve_dataset_data_config', 'create_train_loader', 'BatchNormalizer', 'set_loader_epoch', 'create_eval_loader',
-    'dataset_scheme', 'is_stream',
+    'FASHION_MNIST_CLASSES', 'is_fashion_mnist', 'resolve_dataset', 'create_image_dataset', 'dataset_num_classes',
+    'dataset_class_names', 'resolve_dataset_data_config', 'create_train_loader', 'BatchNormalizer', 'set_loader_epoch',
+    'create_eval_loader', 'dataset_scheme', 'is_stream',
 ]
 
 FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -130,6 +130,18 @@ def _unreadable_idx(path: str, problem: Any) -> str:
 def is_fashion_mnist(name: str) -> bool:
     """True for the names the built-in Fashion-MNIST answers to ('fashion-mnist', 'fashion_mnist', ...)."""
     return name.lower().replace('_', '-') in ('fashion-mnist', 'fashionmnist', 'fmnist')
+
+
+def resolve_dataset(dataset: Optional[str], data_dir: Optional[str]) -> str:
+    """ The dataset name the functions here take: `dataset` as given, or '' (the image folder at `data_dir`) where it
+    is None. Raises `ConfigError` where neither says which data to read: the library has no default dataset.
+    """
+    if dataset is not None:
+        return dataset
+    if data_dir:
+        return ''
+    raise ConfigError("no dataset given: pass dataset='fashion-mnist' (the built-in one), a timm dataset name "
+                      "('torch/cifar10', 'hfds/NAME', ...), or data_dir=PATH for an image folder")
 
 
 _SCHEMES = {  # create_dataset prefix -> (module it needs, how to install it)

@@ -25,6 +25,7 @@ from .data import (
     describe_split,
     is_fashion_mnist,
     is_stream,
+    resolve_dataset,
     resolve_dataset_data_config,
 )
 from .errors import AffineDivError, MissingFileError, OutputExistsError
@@ -192,7 +193,7 @@ def convert_to_folder(
         output: str,
         *,
         norm: str = 'patchnorm',
-        dataset: str = 'fashion-mnist',
+        dataset: Optional[str] = None,
         data_dir: Optional[str] = None,
         calib_batches: int = 32,
         batch_size: int = 64,
@@ -209,7 +210,8 @@ def convert_to_folder(
         **model_kwargs: Any,
 ) -> Tuple[nn.Module, ConversionReport, Dict[str, Any]]:
     """ Convert `model` on images of `dataset`'s training split (any name `timm-affinediv finetune` reads:
-    Fashion-MNIST, an image folder, timm's `torch/`, `hfds/`, `hfids/`, `wds/`, `tfds/`): `calib_images` (default
+    'fashion-mnist', '' or None for the image folder at `data_dir`, timm's `torch/`, `hfds/`, `hfids/`, `wds/`,
+    `tfds/`; no default: `ConfigError` without `dataset` or `data_dir`): `calib_images` (default
     `calib_batches * batch_size`) calibration images and `heldout_images` held-out ones read with the model's own
     eval transforms (`resolve_data_config` of its `pretrained_cfg`), and `distill_images` more for the distillation,
     streamed with train-time augmentation (`conversion_images`); or, where `calibration` (an iterable of image
@@ -227,6 +229,7 @@ def convert_to_folder(
         [f'batch_size must be >= 1 (got {batch_size})'] if batch_size < 1 else [])
     if wrong:
         raise ConversionError('; '.join(wrong) + '.')
+    dataset = resolve_dataset(dataset, data_dir)
     model_card_template()  # an install without its templates fails here, not after the conversion
     data_config = resolve_dataset_data_config(dataset, model, in_chans=model_in_chans(model))
     calib_images = calib_batches * batch_size if calib_images is None else calib_images

@@ -24,6 +24,8 @@ __all__ = ['PipelineConfig', 'run_pipeline', 'train_config']
 _logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_KWARGS = dict(channels=(16, 32, 64, 128), stem_width=16)
+#: the demo's data: the built-in Fashion-MNIST (the library itself has no default dataset)
+DATASET = 'fashion-mnist'
 
 
 @dataclass
@@ -53,7 +55,7 @@ def train_config(cfg: PipelineConfig, **overrides: Any) -> TrainConfig:
     resizes with the evaluation's interpolation, not train.py's random one: the conversion is calibrated on
     evaluation transforms, and with 'random' it lost 1.75-1.85 points instead of 0.80-1.25 (docs/training.md)."""
     settings = dict(
-        model=cfg.model, model_kwargs=dict(cfg.model_kwargs), num_classes=10, dataset='fashion-mnist',
+        model=cfg.model, model_kwargs=dict(cfg.model_kwargs), num_classes=10, dataset=DATASET,
         train_subset=cfg.train_subset, val_subset=cfg.val_subset, batch_size=cfg.batch_size, workers=cfg.workers,
         seed=cfg.seed, train_interpolation='')
     settings.update(overrides)
@@ -66,7 +68,7 @@ def _baseline(cfg: PipelineConfig, out: Path) -> nn.Module:
     _logger.info(f'training the baseline {cfg.model} (its own norm layers) from scratch, {cfg.baseline_epochs} epochs')
     result = Trainer(train_config(
         cfg, epochs=cfg.baseline_epochs, lr=cfg.lr, output=str(out / 'baseline-run'))).fit()
-    publish_run(result, str(out / 'baseline'), overwrite=cfg.overwrite,
+    publish_run(result, str(out / 'baseline'), dataset=DATASET, overwrite=cfg.overwrite,
                 recipe=f'Trained from scratch for {cfg.baseline_epochs} epochs by the timm-affinediv demo pipeline.')
     return load_trained_model(f'local-dir:{out / "baseline"}')
 
@@ -83,7 +85,7 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
     source = (f'`{cfg.checkpoint}`' if cfg.checkpoint else
               f'the BatchNorm `{cfg.model}` this pipeline trained ({out / "baseline"})') + ', not on the Hub'
     converted, report, conversion = convert_to_folder(
-        baseline, str(out / 'converted'), norm=cfg.norm, calib_batches=cfg.calib_batches,
+        baseline, str(out / 'converted'), norm=cfg.norm, dataset=DATASET, calib_batches=cfg.calib_batches,
         eval_images=cfg.val_subset, base_model_description=f'converted from {source}', overwrite=True)
     _logger.info(f"top-1: baseline {conversion['original']['top1']:.2f}%, "
                  f"converted {conversion['converted']['top1']:.2f}%; fine-tuning with distillation")
@@ -100,7 +102,7 @@ def run_pipeline(cfg: PipelineConfig) -> Dict[str, Any]:
               f'({summary["converted_top1"]:.2f}%), then fine-tuned for {cfg.finetune_epochs} epochs with '
               f'distillation from the BatchNorm model (weight {cfg.distill_weight}, temperature '
               f'{cfg.distill_temperature}).')
-    publish_run(result, str(out / 'model'), recipe=recipe, overwrite=cfg.overwrite,
+    publish_run(result, str(out / 'model'), dataset=DATASET, recipe=recipe, overwrite=cfg.overwrite,
                 base_model_description=f'converted from {source}, then fine-tuned with distillation from it',
                 extra_files={'pipeline_summary.json': json.dumps(summary, indent=2)})
     return summary

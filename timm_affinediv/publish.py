@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from ._timm_compat import get_model_args
-from .data import is_fashion_mnist
+from .data import is_fashion_mnist, resolve_dataset
 from .hub import PLOT_NAME, save_hub_folder
 from .model_io import hub_dataset
 from .train import TrainResult, final_top1
@@ -19,7 +19,7 @@ __all__ = ['publish_run']
 def publish_run(
         result: TrainResult,
         folder: Optional[str] = None,
-        dataset: str = 'fashion-mnist',
+        dataset: Optional[str] = None,
         data_dir: Optional[str] = None,
         recipe: Optional[str] = None,
         extra_files: Optional[Dict[str, str]] = None,
@@ -28,9 +28,11 @@ def publish_run(
         overwrite: bool = False,
 ) -> Path:
     """ The Hub-ready folder (default `<output>/model`) of a finished run: its measured metrics, the evaluation set
-    and the training curves (`metrics.png`, copied into the folder) in the card. `base_model` is the Hub id of the
-    model it was fine-tuned or converted from, `base_model_description` that model in words.
+    and the training curves (`metrics.png`, copied into the folder) in the card. `dataset` and `data_dir` are the
+    run's (`TrainConfig`'s; one of them is needed), `base_model` is the Hub id of the model it was fine-tuned or
+    converted from, `base_model_description` that model in words.
     """
+    dataset = resolve_dataset(dataset, data_dir)
     folder = Path(folder or Path(result.output_dir) / 'model')
     model = result.model
     norm_layer = get_model_args(model).get('norm_layer')

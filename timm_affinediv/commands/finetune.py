@@ -74,7 +74,7 @@ def add_model_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
 
 def add_data_group(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     """`--dataset`/`--data-dir` (`timm_affinediv.cli.add_data_args`), splits, sizes, loading and augmentation."""
-    g = add_data_args(p, default=d.dataset, any_dataset=True)
+    g = add_data_args(p, default='fashion-mnist', any_dataset=True)
     g.add_argument('--train-split', default=d.train_split)
     g.add_argument('--val-split', default=d.val_split)
     g.add_argument('--img-size', type=positive_int,

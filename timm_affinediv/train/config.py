@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..data import resolve_dataset
 from ..errors import CheckpointError, ConfigError, NonFiniteLossError, TrainingError
 
 __all__ = ['TrainConfig', 'TrainResult', 'TrainingError', 'ConfigError', 'CheckpointError', 'NonFiniteLossError',
@@ -60,7 +61,7 @@ class TrainConfig:
     torchcompile: Optional[str] = None  # a torch.compile backend ('inductor')
     torchcompile_mode: Optional[str] = None
     # data
-    dataset: str = 'fashion-mnist'
+    dataset: Optional[str] = None  # no default: 'fashion-mnist', a timm dataset name, or None / '' with data_dir
     data_dir: Optional[str] = None
     train_split: str = 'train'
     val_split: str = 'validation'
@@ -269,6 +270,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        resolve_dataset(self.dataset, self.data_dir)  # the library has no default dataset: one of them is needed
 
 
 @dataclass

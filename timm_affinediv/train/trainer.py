@@ -2,7 +2,7 @@
 
 `TrainConfig` holds the settings (the fields mirror timm's `train.py` flags), `Trainer` runs them:
 
-    result = Trainer(TrainConfig(model='resnet18', num_classes=10, epochs=3, output='runs/r18')).fit()
+    result = Trainer(TrainConfig(model='resnet18', dataset='fashion-mnist', epochs=3, output='runs/r18')).fit()
 
 Built on timm's factories and helpers, called as timm's `train.py` calls them: `create_optimizer_v2` with
 `optimizer_kwargs`, `create_scheduler_v2` with `scheduler_kwargs`, `create_transform`, `Mixup`, the losses
@@ -54,6 +54,7 @@ from ..data import (
     describe_split,
     is_fashion_mnist,
     is_stream,
+    resolve_dataset,
     resolve_dataset_data_config,
     set_loader_epoch,
 )
@@ -198,37 +199,38 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, model: Optional[nn.Module] = None, teacher: Optional[nn.Module] = None):
         cfg.validate()
         self.cfg = cfg
+        dataset = resolve_dataset(cfg.dataset, cfg.data_dir)  # None: the image folder at data_dir
         self.device, self.rank, self.world_size, self.distributed = init_distributed(cfg.device)
         self.is_primary = self.rank == 0
         self.amp_dtype = self._resolve_amp_dtype()
         random_seed(cfg.seed)  # the same initial weights on every rank
 
         asked_chans = cfg.in_chans or (cfg.input_size[0] if cfg.input_size else None)
-        in_chans = 1 if is_fashion_mnist(cfg.dataset) else (asked_chans or 3)
+        in_chans = 1 if is_fashion_mnist(dataset) else (asked_chans or 3)
         if asked_chans and asked_chans != in_chans:
             raise ConfigError(f'Fashion-MNIST has 1 channel, not {asked_chans} (--in-chans / --input-size).')
         model = model if model is not None else create_train_model(cfg, in_chans)
         if cfg.grad_checkpointing:
             model.set_grad_checkpointing(enable=True)
         self.data_config = resolve_dataset_data_config(
-            cfg.dataset, model, in_chans, overrides=cfg.data_config_overrides())
+            dataset, model, in_chans, overrides=cfg.data_config_overrides())
         # the preprocessing the weights expect travels with them (config.json, resolve_data_config)
         model.pretrained_cfg = {**getattr(model, 'pretrained_cfg', {}), **self.data_config}
         loader_args = dict(workers=cfg.workers, rank=self.rank, world_size=self.world_size,
                            pin_memory=self.device.type == 'cuda')
         self.train_loader = create_train_loader(
-            cfg.dataset, cfg.data_dir, self.data_config, cfg.batch_size, split=cfg.train_split,
+            dataset, cfg.data_dir, self.data_config, cfg.batch_size, split=cfg.train_split,
             subset=cfg.train_subset, num_samples=cfg.train_num_samples, seed=cfg.seed,
             augment=cfg.transform_kwargs(), prefetcher=not cfg.no_prefetcher,
             mixup=cfg.mixup_kwargs(cfg.num_classes) if cfg.mixup_active else None, aug_repeats=cfg.aug_repeats,
             **loader_args)
         self.val_loader = create_eval_loader(
-            cfg.dataset, cfg.data_dir, self.data_config, cfg.validation_batch_size or cfg.batch_size,
+            dataset, cfg.data_dir, self.data_config, cfg.validation_batch_size or cfg.batch_size,
             split=cfg.val_split, subset=cfg.val_subset, num_samples=cfg.val_num_samples, **loader_args)
         self.stream = is_stream(self.train_loader.dataset)
         self.num_classes = dataset_num_classes(self.train_loader.dataset) or cfg.num_classes
         if self.num_classes is None:
-            raise ConfigError(f"dataset '{cfg.dataset}' does not say its number of classes: pass --num-classes.")
+            raise ConfigError(f"dataset '{dataset}' does not say its number of classes: pass --num-classes.")
         _match_head(model, self.num_classes, cfg.num_classes)
         # the class names travel with the weights too (config.json's label_names): the training set's, no others
         model.pretrained_cfg = with_labels(
