@@ -8,7 +8,8 @@ eval mode). Group k is swapped in after k/stages of the budget; at the end the m
 trained. Both arms run one loop: `RecoverOptions`' recipe (AdamW at its peak rate, warm-up then a cosine over the
 budget, labels and distillation from the original half and half), on the original's training images, from the same
 conversion (`measure_family_recovery.converted_model`). Each row is appended to --json as it is measured; rows there
-are not measured again. --quick is one narrow ResNet-18 on 128 training and 64 test images (seconds).
+are not measured again, and --table-only prints the table of its rows, measuring nothing. --quick is one narrow
+ResNet-18 on 128 training and 64 test images (seconds).
 
     python scripts/measure_recovery_swap.py --quick --json runs/recovery-swap-quick.jsonl
 """
@@ -156,13 +157,16 @@ def main(argv=None) -> int:
                         help='ConvertOptions over their defaults, by dotted names (e.g. distill.epochs=0)')
     parser.add_argument('--quick', action='store_true',
                         help=f'a check of the script in seconds: {QUICK}, originals under {QUICK_RUNS}')
+    parser.add_argument('--table-only', action='store_true', help="measure nothing: the table of --json's rows")
     parser.add_argument('--json', help='append each row as a JSON line to this file; rows there are not measured again')
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK, runs=QUICK_RUNS)
+    if args.table_only and not read_rows(args.json):
+        parser.error('--table-only shows the rows of --json: pass a file of them')
     done = {row_key(r) for r in read_rows(args.json)}
     rows = []
-    for recipe_name in args.recipes:
+    for recipe_name in [] if args.table_only else args.recipes:
         recipe = dataclasses.replace(RECIPES[recipe_name], epochs=args.epochs or RECIPES[recipe_name].epochs,
                                      images=args.train_images or RECIPES[recipe_name].images)
         x, y = _tensors('train', recipe.images)
