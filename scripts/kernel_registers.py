@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Any, Dict, List, Tuple
 
 import timm
 import torch
@@ -50,13 +50,15 @@ def _describe(arg):
     return arg
 
 
-def record(models: List[str], img_size: int) -> Dict[str, int]:
-    """`{launch: count}` over one fake train step of each model, dtype and layout (see the module's docstring)."""
+def record(models: List[str], img_size: int) -> Tuple[Dict[str, int], Dict[str, Any]]:
+    """`{launch: count}` over one fake train step of each model, dtype and layout (see the module's docstring), and
+    the kernels launched, by name."""
     from timm_affinediv.layers.kernels import selfcheck
     from timm_affinediv.layers.kernels.recording import custom_ops, recorded_launches
-    launches = collections.Counter()
+    launches, kernels = collections.Counter(), {}
 
     def launch(kernel, args, constexprs):
+        kernels[kernel.__name__] = kernel
         launches[json.dumps([kernel.__name__, [_describe(a) for a in args], constexprs])] += 1
 
     # under FakeTensorMode the ops run their bodies, not their shape functions
@@ -82,7 +84,7 @@ def record(models: List[str], img_size: int) -> Dict[str, int]:
                                                 selfcheck.GPU_SIZES)
                     for _ in cases:
                         pass
-    return dict(launches)
+    return dict(launches), kernels
 
 
 class _Pointer:
@@ -96,16 +98,23 @@ class _Pointer:
 
 
 def _specialise(kernel, launch: list, target):
-    """`(signature, constexprs, attrs, options)` of a recorded launch, by Triton's JIT binder for `target`."""
+    """`(signature, constexprs, attrs, options)` of a recorded launch for `target`, as Triton's JIT compiles it: its
+    binder gives each argument's `(type, attribute)` ('constexpr' and the value for a constant), the constants and
+    attributes are keyed by the argument's path (one index: these kernels take no tuple arguments), and the launch's
+    keywords give the options."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
     _, args, kwargs = launch
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(
-        *[_Pointer(a[1], a[2]) if isinstance(a, list) else a for a in args], **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return signature, constexprs, attrs, options
+    bound, specialization, _ = binder(*[_Pointer(a[1], a[2]) if isinstance(a, list) else a for a in args], **kwargs)
+    values = list(bound.values())
+    signature = {param.name: kind for param, (kind, _) in zip(kernel.params, specialization)}
+    constexprs = {(i,): values[i] for i, (kind, _) in enumerate(specialization) if kind == 'constexpr'}
+    # a constant's attribute is '' (none), a runtime argument's the binder's string ('D': divisible by 16), if any
+    attrs = {(i,): backend.parse_attr('' if kind == 'constexpr' else attr) for i, (kind, attr) in
+             enumerate(specialization) if kind == 'constexpr' or isinstance(attr, str)}
+    return signature, constexprs, attrs, backend.parse_options(kwargs)
 
 
 def _resources(cubin: bytes, folder: str) -> Dict[str, int]:
@@ -120,19 +129,18 @@ def _resources(cubin: bytes, folder: str) -> Dict[str, int]:
     return dict(registers=int(found[1]), stack=int(found[2]), local=int(found[3]))
 
 
-def compile_all(launches: Dict[str, int], archs: List[str]) -> List[dict]:
+def compile_all(launches: Dict[str, int], kernels: Dict[str, Any], archs: List[str]) -> List[dict]:
     """One row per distinct specialisation and target: its constants, launches, warps, registers, spills, error."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from timm_affinediv.layers.kernels import _triton
     rows, seen = [], {}
     for arch in archs:
         target = GPUTarget('cuda', ARCHS[arch], 32)
         for key, count in launches.items():
             launch = json.loads(key)
-            kernel = getattr(_triton, launch[0])
+            kernel = kernels[launch[0]]
             signature, constexprs, attrs, options = _specialise(kernel, launch, target)
             spec = json.dumps([launch[0], arch, signature, sorted(map(str, constexprs.items())),
                                sorted(map(str, attrs.items())), options.num_warps])
@@ -171,9 +179,9 @@ def main(argv=None) -> int:
     if os.environ.get('TRITON_INTERPRET') == '1':
         parser.error('TRITON_INTERPRET=1 makes Triton define interpreted functions, which do not compile: unset it')
     start = time.perf_counter()
-    launches = record(args.models, args.img_size)
+    launches, kernels = record(args.models, args.img_size)
     recorded = time.perf_counter()
-    rows = compile_all(launches, args.archs)
+    rows = compile_all(launches, kernels, args.archs)
     bad = failures(rows, args.budget)
     for row in sorted(rows, key=lambda r: -r['registers']):
         if row in bad or row['registers'] > 96:

@@ -1,7 +1,8 @@
 """The package's source as a whole: its modules import each other without a circle, the library never imports the
 command line, and no module reaches a private name of another; every error it raises on bad input is one of
-`errors.py`'s (`AffineDivError`, keeping its builtin), never a bare builtin. Read from the source with `ast`, so a
-module that is never imported is checked too."""
+`errors.py`'s (`AffineDivError`, keeping its builtin), never a bare builtin. The developer scripts (scripts/) use the
+public API and the compat modules only. Read from the source with `ast`, so a module that is never imported is checked
+too."""
 import ast
 import builtins
 import graphlib
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
+from conftest import SCRIPTS
 
 import timm_affinediv
 from timm_affinediv import errors
@@ -226,3 +228,70 @@ def test_timm_private_names_are_reached_through_timm_compat_only():
                for line in _private_timm_imports(path)]
     assert not outside, 'timm private names outside timm_affinediv/_timm_compat.py:\n' + '\n'.join(outside)
     assert any(_private_timm_imports(MODULES['_timm_compat'])), 'the walk finds the compat module\'s own imports'
+
+
+#: The package's private modules the scripts may import, each for a reason; any other private module or name of the
+#: package (or of timm, torch, Triton) is refused in scripts/
+SCRIPT_ALLOWED_PRIVATE_MODULES = {
+    'timm_affinediv._timm_compat': "the version shim over timm's private names: scripts reach them through it, as "
+                                   'the package does',
+    'timm_affinediv._torch_compat': "the version shim over torch's private names (fake tensors, dispatch modes, the "
+                                    'operator registry)',
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith('_') and not name.startswith('__')
+
+
+def _script_private_reaches(path: Path, siblings: Set[str]) -> Iterator[str]:
+    """The private modules and names the script at `path` imports from anything but its sibling scripts (`from
+    timm_affinediv._io import ...`, `from timm_affinediv.layers.kernels import _triton`, `from triton._utils import
+    ...`), and the private names it reads off a package module it imported whole (`ops._launch`)."""
+    where = path.relative_to(SCRIPTS.parent) if path.is_relative_to(SCRIPTS) else path.name
+    tree = ast.parse(path.read_text(encoding='utf-8'))
+    bound = {}  # local names of imported package modules
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module.split('.')[0] not in siblings:
+            if any(map(_is_private, node.module.split('.'))) and node.module not in SCRIPT_ALLOWED_PRIVATE_MODULES:
+                yield f'{where}:{node.lineno}: from {node.module} import ...'
+            for alias in node.names:
+                if _is_private(alias.name):
+                    yield f'{where}:{node.lineno}: from {node.module} import {alias.name}'
+                elif node.module.split('.')[0] == PACKAGE.name:
+                    bound[alias.asname or alias.name] = f'{node.module}.{alias.name}'
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split('.')[0] not in siblings and any(map(_is_private, alias.name.split('.'))) and \
+                        alias.name not in SCRIPT_ALLOWED_PRIVATE_MODULES:
+                    yield f'{where}:{node.lineno}: import {alias.name}'
+                if alias.name.split('.')[0] == PACKAGE.name:
+                    bound[alias.asname or alias.name.split('.')[0]] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound and \
+                _is_private(node.attr):
+            yield f'{where}:{node.lineno}: {node.value.id}.{node.attr}'
+
+
+def _siblings() -> Set[str]:
+    """What a script imports from scripts/ itself: the other scripts and the packages beside them (paper)."""
+    return {p.stem for p in SCRIPTS.glob('*.py')} | {p.name for p in SCRIPTS.iterdir() if (p / '__init__.py').is_file()}
+
+
+def test_the_script_walk_finds_private_imports(tmp_path):
+    source = tmp_path / 'a_script.py'
+    source.write_text('import timm_affinediv.layers.kernels.ops as ops\nfrom timm_affinediv import _io\n'
+                      'from timm_affinediv._torch_compat import FakeTensorMode\nfrom triton._utils import x\n'
+                      'from sibling import _helper\nops._launch()\n')
+    assert list(_script_private_reaches(source, {'sibling'})) == [
+        'a_script.py:2: from timm_affinediv import _io', 'a_script.py:4: from triton._utils import ...',
+        'a_script.py:6: ops._launch']
+
+
+def test_scripts_use_the_public_api_and_the_compat_modules_only():
+    """scripts/ reach no private module or name of the package, timm, torch or Triton, but the compat modules: what a
+    script needs of the package is public (`timm_affinediv.files.atomic_write`) or lives in scripts/."""
+    siblings = _siblings()
+    reaches = [line for path in sorted(SCRIPTS.rglob('*.py')) for line in _script_private_reaches(path, siblings)]
+    assert not reaches, 'private names reached from scripts/ (make them public, or move the helper into ' \
+                        'scripts/):\n' + '\n'.join(reaches)
