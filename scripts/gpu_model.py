@@ -3,29 +3,21 @@
 its torch path), from a roofline model of every kernel a step launches, traced on the CPU without arithmetic
 
 The trace: a step (train: forward, cross-entropy, backward, SGD with momentum as `bench_gpu.py` runs it, after a
-warm-up step; inference: a forward under `no_grad`) runs under `FakeTensorMode`, so shapes, strides and dtypes are a
-real step's at the real sizes and nothing is computed. Autocast follows CUDA's rules, not the CPU's (the lists of
-ATen's `autocast_mode.h`, installed over the CPU's autocast kernels: `CudaAutocast`). A `TorchDispatchMode` prices
-every ATen operation below autograd; the custom ops of the Triton path run their bodies, whose launchers record
-each Triton launch with its arguments (their values come from the kernels' torch twins, which are not priced).
+warm-up step; inference: a forward under `no_grad`) runs under `FakeTensorMode`, with a real step's shapes, strides
+and dtypes and nothing computed. Autocast follows CUDA's rules (ATen's `autocast_mode.h` lists, installed over the
+CPU's autocast kernels: `CudaAutocast`). A `TorchDispatchMode` prices every ATen operation below autograd; the Triton
+path's custom ops run their bodies, whose launchers record each launch with its arguments.
 
-What a launch moves (an ATen operation's launches, bytes and FLOPs are its rule in `RULES`, one an operation): each
-tensor argument it reads once and each output once, as many bytes as its view's elements (a broadcast dimension
-counts once; a view whose innermost stride is not 1 costs whole 32-byte sectors). A view or an allocation launches
-nothing. An in-place operation reads and writes its tensor. Operations that CUDA runs as
-several kernels are priced as those kernels: BatchNorm's statistics, update and transform passes and its backward's
-reduce and elementwise passes; a convolution's backward as its data-gradient and weight-gradient GEMMs; LayerNorm's
-backward as its input-gradient and parameter-gradient kernels; a foreach update as one launch per 48 tensors. A k x k
-box filter inside a Triton output pass reads its map once from memory (re-reads of neighbouring positions hit the
-caches) and issues `taps` loads per element, which `Gpu.issue_rate` prices.
+A launch reads each tensor argument once and writes each output once, as many bytes as its view's elements (a
+broadcast dimension counts once; a view whose innermost stride is not 1 costs whole 32-byte sectors); `RULES` gives
+each ATen operation's launches, bytes and FLOPs. Operations CUDA runs as several kernels (BatchNorm's passes, a
+convolution's backward GEMMs, LayerNorm's backward, a foreach update per 48 tensors) are priced as those kernels. A
+k x k box filter inside a Triton pass reads its map once and issues `taps` loads per element (`Gpu.issue_rate`).
 
-Time of a launch: max(bytes / (bandwidth x fraction), FLOPs / (peak x fraction), instructions / issue rate) plus a
-per-launch floor; a step's GPU time is their sum. The CPU issues the launches ahead of the GPU (no synchronisation
-inside a step), so a step takes the longer of the GPU's sum and the CPU's (a per-operation cost, see `CPU_COSTS`).
-Every parameter and its source is in `GPUS`, `FRACTIONS` and `CPU_COSTS`; `--calibration` sets the torch path's
-predicted ratios beside the H200 measurements (scripts/data/h200-2026-12-04, with how they were taken; the results in
-docs/results/performance.md). Every figure it prints is predicted, but for those measurements. `--table-only` prints
-the tables of a record written by `--json`, tracing nothing.
+A launch takes max(bytes / (bandwidth x fraction), FLOPs / (peak x fraction), instructions / issue rate) plus a
+floor, and a step the longer of the GPU's sum and the CPU's, which issues the launches ahead (`CPU_COSTS`). The
+parameters and their sources are in `GPUS`, `FRACTIONS` and `CPU_COSTS`. Every figure printed is predicted, but for
+`--calibration`'s H200 measurements (scripts/data/h200-2026-12-04); `--table-only` prints a `--json` record's tables.
 
     python scripts/gpu_model.py                                 # resnet50, convnext_tiny: H100 and H200, CL and NCHW
     python scripts/gpu_model.py --models resnet50 --gpus h200 --layouts channels_last --json model.json
@@ -161,8 +153,8 @@ FRACTIONS: Dict[str, Tuple[float, str]] = {
         'batched products of 1 x K by K x 1 matrices (row dot products): aten::bmm, 167-177 us a call in the '
         'patchnorm profiles')),
     'triton': (0.85, (
-        'the fused kernels (not yet run on a GPU): the bar set for them (docs/performance.md), 85% of bandwidth, '
-        'an assumption until measured')),
+        'the fused kernels (not yet run on a GPU): the bar set for them (docs/results/performance.md), 85% of '
+        'bandwidth, an assumption until measured')),
     'issue': (0.5, (
         'instruction issue of the fused kernels: half of one instruction a scheduler per clock (loads, '
         'integer index arithmetic and masks share the issue slots), an assumption')),
@@ -759,11 +751,11 @@ def box_instructions(elements: int, box, kh: int, kw: int, one_group: bool) -> f
 
 
 def lower_bound(op: str, args: Sequence, out) -> int:
-    """ The bytes a PatchNorm op must move at least (the bar of docs/performance.md): what BatchNorm would also read and
-    write in its place (the output pass: read `y`, write the output; the backward: read the gradient and `y`, write
-    `dL/dy`) plus the input's squared norms (one read of `x`, forward and backward). The maps (one channel per group)
-    and the `dx` update's read-modify-write (which the convolution's input-gradient epilogue could take) are not in
-    it."""
+    """ The bytes a PatchNorm op must move at least (the bar of docs/results/performance.md): what BatchNorm would
+    also read and write in its place (the output pass: read `y`, write the output; the backward: read the gradient
+    and `y`, write `dL/dy`) plus the input's squared norms (one read of `x`, forward and backward). The maps (one
+    channel per group) and the `dx` update's read-modify-write (which the convolution's input-gradient epilogue could
+    take) are not in it."""
     if op in ('patchnorm_conv2d', 'affine_div_linear'):
         return dram_bytes(args[0]) + 2 * dram_bytes(out[1])
     if op in ('patchnorm_conv2d_backward', 'affine_div_linear_backward'):
