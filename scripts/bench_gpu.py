@@ -7,7 +7,7 @@ and channels-last at 224x224 by default. Prints img/s of both, the ratio (patchn
 1.00x is parity), the peak memory a step allocates above the resident weights, and the first step's time (with
 compilation for compiled models).
 
-    python scripts/bench_gpu.py                                   # resnet50, convnext_tiny; about 4 min on an H200
+    python scripts/bench_gpu.py                                   # resnet50, convnext_tiny
     python scripts/bench_gpu.py --models resnet18 --modes eager --kernels torch
     python scripts/bench_gpu.py --device cpu --quick --backend aot_eager   # tiny sizes: checks the script end to end
 """

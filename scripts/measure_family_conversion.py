@@ -1,30 +1,18 @@
 #!/usr/bin/env python3
 """ Conversion of a trained BatchNorm/LayerNorm model of every README family to `patchnorm`, on originals trained
-two ways, measured on Fashion-MNIST at 32x32: top-1 of the original and of the model `convert_model` makes with its
-defaults on the 10k test images, their agreement there, the agreement on the held-out training images the
-conversion checks itself on (after the fit, and for the model returned), the conversion's seconds, its cost in
-forward passes of the original over the calibration images and in epochs of the original's training, and what ran.
+two ways, measured on Fashion-MNIST at 32x32. Top-1 of the original and of `convert_model`'s default conversion on
+the 10k test images, their agreement there and on the held-out images the conversion checks itself on (after the
+fit, and for the model returned), the conversion's seconds, its cost in forward passes and epochs, and what ran.
 
 The conversion reads the images `timm-affinediv convert` reads (`model_io.conversion_images`): `--calib-batches`
 batches of 64 training images, the next `--heldout-images` held out, the next `--distill-images` for the
-distillation (with train-time augmentation). Without `--checkpoint`, each original is trained first by the recipe's
-plain loop and kept under `--runs/RECIPE/MODEL`, with `train.json` (its schedule and held-out curve) beside it:
-
-- `adamw`: AdamW (lr 3e-3, weight decay 0.05), epochs of 4000 images, batch 64;
-- `sgd`: SGD (momentum 0.9, Nesterov, lr 0.05, weight decay 5e-4), epochs of 20000 images, batch 128;
-
-no augmentation, BatchNorm statistics re-estimated on 2048 training images (the default --recipes);
-
-- `augmented`: trained as timm trains a published checkpoint: AdamW as `adamw`, 4 epochs of 20000 images
-  (one-cycle), batch 64, each image augmented anew by timm's training transform (random-resized crop of area 0.35-1,
-  horizontal flip 0.5), each batch by timm's `Mixup` (mixup 0.2 or cutmix 1.0, label smoothing 0.1) and a
-  soft-target cross-entropy; BatchNorm statistics re-estimated on 2048 un-augmented training images.
-
-By default an `adamw` or `sgd` original trains until it stops improving, as a published checkpoint does: a warm-up over
-half an epoch, then the peak rate until the best top-1 on 2000 held-out training images (the last of the split's fixed
-order: never trained, calibrated or distilled on) has risen by less than 0.3 points an epoch over the last two epochs
-(at most 30 epochs), then a cosine to 0 over a further fifth of the epochs run. `--epochs E` trains E epochs instead
-(`augmented` too), the schedule spanning them (adamw, augmented: one-cycle; sgd: 5% warm-up then cosine), kept under
+distillation. Without `--checkpoint`, each original is trained first, by the recipe's plain loop, and kept under
+`--runs/RECIPE/MODEL` with `train.json` (its schedule and held-out curve). `RECIPES` gives each recipe's optimiser,
+rate, images and batch. `adamw` and `sgd` (the default `--recipes`) train without augmentation: a warm-up over half
+an epoch, the peak rate until top-1 on 2000 held-out training images rises by less than 0.3 points an epoch over two
+epochs (at most 30: `PLATEAU_RISE`, `MAX_EPOCHS`), then a cosine to 0 over a fifth more. `augmented` trains as timm
+trains a published checkpoint: 4 one-cycle epochs with timm's training transform and `Mixup` (`AUGMENT`, `MIXUP`).
+BatchNorm statistics are then re-estimated on 2048 training images. `--epochs E` trains E epochs instead, kept under
 `--runs/RECIPE-Eep/MODEL`; docs/families.md's conversion table is `--epochs 2`.
 
     python scripts/measure_family_conversion.py                       # every family, adamw and sgd: the table

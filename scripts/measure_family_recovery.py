@@ -2,28 +2,19 @@
 """ Recovery with labels after the conversion, for every README family, measured on Fashion-MNIST at 32x32: top-1 on
 the test images of the original, of its conversion and of the model `recover_model` makes from that conversion after
 each budget (1/8, 1/4, 1/2 and 1 epoch of the original's training images, each its own finished schedule from the
-same converted model, by the recipe of `RecoverOptions`), the images spent, and PatchNorm trained from scratch by the
-original's recipe on as many images and on the original's whole budget.
+same converted model). Beside them: the images spent, and PatchNorm trained from scratch by the original's recipe on
+as many images and on the original's whole budget.
 
-The originals are those of `measure_family_conversion.py` (the same recipes, kept under --runs: a model trained there
-is not trained again), converted with `convert_model`'s defaults on the images `timm-affinediv convert` reads. The
-recovery trains on the original's training images (the recipe's fixed random subset of the training split) and
-evaluates on the test images only at the end of its budget (`--recover-kwargs evaluations=1 patience=None` are the
-defaults here: the top-1 is that of a finished schedule, and no choice is made on the test images; the trained
-model is measured, never the conversion kept in its place).
-
+The originals are those of `measure_family_conversion.py` (the same recipes, kept under --runs), converted with
+`convert_model`'s defaults on the images `timm-affinediv convert` reads. The recovery trains on the original's
+training images and evaluates on the test images only at the end of its budget (`--recover-kwargs evaluations=1
+patience=None` by default here: no choice is made on the test images, and the trained model is measured).
 `--command-defaults` measures instead what `timm-affinediv convert --recover` gives a user: `RecoverOptions`' own
-defaults (evaluations, stop rule, the rate's choice, the conversion kept where it is better), budget one epoch. Its
-choices are made on `--val-images` held-out training images (the last of the split's fixed order, never trained on),
-the recovery's validation split; the returned model's top-1 is then measured on the test images. Its rows keep the
-whole recovery report (the curve, why it stopped, the images spent) and are tabled per recipe; `--recipes
-augmented` is the originals trained with timm's usual augmentation (`measure_family_conversion.py`).
-
-Each row is appended to --json as a JSON line as soon as it is measured; a row already there (same model, recipe,
-budget, images and options) is not measured again, so a sweep stopped part-way continues where it stopped. Without
---quick, the sweep is every family, the adamw and sgd recipes and the four budgets (hours on a CPU): the lead runs
-it, e.g. with --json runs/family-recovery.jsonl. --quick is one narrow ResNet-18 on 128 training and 64 test images,
-two budgets (seconds), to check the script.
+defaults, budget one epoch, its choices made on `--val-images` held-out training images (never trained on); its rows
+keep the whole recovery report and are tabled per recipe (`--recipes augmented`: originals trained with timm's
+usual augmentation). Each row is appended to --json as soon as it is measured, and a row already there is not
+measured again, so a stopped sweep continues. Without --quick the sweep is every family, the adamw and sgd recipes
+and the four budgets (hours on a CPU); --quick is one narrow ResNet-18 on 128 training and 64 test images.
 
     python scripts/measure_family_recovery.py --quick --json runs/recovery-quick.jsonl
     python scripts/measure_family_recovery.py --quick --command-defaults --recipes augmented

@@ -1,8 +1,8 @@
 """The package's source as a whole: its modules import each other without a circle, the library never imports the
 command line, and no module reaches a private name of another; every error it raises on bad input is one of
-`errors.py`'s (`AffineDivError`, keeping its builtin), never a bare builtin. The developer scripts (scripts/) use the
-public API and the compat modules only. Read from the source with `ast`, so a module that is never imported is checked
-too."""
+`errors.py`'s (`AffineDivError`, keeping its builtin), never a bare builtin; each module's docstring is at most 25
+lines. The developer scripts (scripts/) use the public API and the compat modules only. Read from the source with
+`ast`, so a module that is never imported is checked too."""
 import ast
 import builtins
 import graphlib
@@ -209,6 +209,27 @@ def test_every_error_in_errors_py_is_an_affinediv_error_with_a_builtin_base(name
     assert builtin_bases or error is errors.AffineDivError, \
         f'{name} keeps no builtin base, so `except <builtin>` around the call that raises it misses it'
 
+
+#: The most lines a module's docstring takes, its quotes included: what the module does, its formula and its design;
+#: results and history belong in the report (docs/results/)
+MAX_MODULE_DOCSTRING_LINES = 25
+
+
+def _docstring_lines(path: Path) -> int:
+    """The lines the module docstring of `path` spans (0 without one)."""
+    body = ast.parse(path.read_text(encoding='utf-8')).body
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return first.end_lineno - first.lineno + 1
+    return 0
+
+
+def test_every_module_docstring_is_at_most_25_lines():
+    assert _docstring_lines(MODULES['errors']) > 1, 'the walk reads a module docstring'
+    long = [f'{path.relative_to(PACKAGE.parent)}: {lines} lines' for path in MODULES.values()
+            if (lines := _docstring_lines(path)) > MAX_MODULE_DOCSTRING_LINES]
+    assert not long, (f'module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (keep what the module does, its '
+                      'formula and its design; move results and history to docs/results/):\n' + '\n'.join(long))
 
 def _private_timm_imports(path: Path) -> Iterator[str]:
     """The private timm modules and names `path` imports (`timm.models._hub`, `from timm.layers import _x`)."""

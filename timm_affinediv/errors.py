@@ -1,10 +1,9 @@
 """ The errors timm-affinediv reports to its user
 
 Every one derives from `AffineDivError`, so `except AffineDivError` catches what the package raises about its
-input (a model, file, dataset or setting it cannot use), and each keeps a builtin as its second base (the one it
-was before it joined this family), so `except ValueError` around a conversion or `except RuntimeError` around a
-training run still works. The command line prints any of them as one line and exits with status 2
-(`timm_affinediv.cli.run_main`).
+input (a model, file, dataset or setting it cannot use), and each keeps the builtin that fits it as its second base,
+so `except ValueError` around a conversion or `except RuntimeError` around a training run works too. The command
+line prints any of them as one line and exits with status 2 (`timm_affinediv.cli.run_main`).
 """
 __all__ = [
     'AffineDivError', 'ConversionError', 'SlotLayoutError', 'DataError', 'TrainingError', 'ConfigError',

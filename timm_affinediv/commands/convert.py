@@ -7,15 +7,11 @@
         --eval-images 0 --output runs/resnet50-patchnorm
     timm-affinediv convert --model local-dir:runs/baseline --output runs/recovered --recover --recover-epochs 0.25
 
-`--dataset` takes what `timm-affinediv finetune` reads: an image folder (`--dataset '' --data-dir PATH`:
-`PATH/<class>/*`, or `PATH/train/<class>/*` and `PATH/validation/<class>/*`) or timm's `torch/`, `hfds/`, `hfids/`,
-`wds/`, `tfds/` datasets. Three disjoint draws of its training split (a stream's first images, then the next): the
-calibration images and the held-out ones, read with the model's own eval transforms (timm `resolve_data_config` of
-its `pretrained_cfg`: size, crop, mean and std), and the distillation images, streamed with timm's train-time
-augmentation. The held-out agreement with the original after the fit decides whether the model is distilled; the
-output, conversion_report.json and the model card give it before and after.
-
-The folder reloads with `timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
+`--dataset` takes what `timm-affinediv finetune` reads (an image folder: `--dataset '' --data-dir PATH`; timm's
+`torch/`, `hfds/`, `hfids/`, `wds/`, `tfds/`). Three disjoint draws of its training split: the calibration and
+held-out images, read with the model's eval transforms, and the distillation images, with train-time augmentation.
+The held-out agreement after the fit decides whether the model is distilled. The folder reloads with
+`timm.create_model("local-dir:DIR", pretrained=True)` after `import timm_affinediv`.
 
 `--recover` goes on to recover accuracy with the labels (`timm_affinediv.recover`): the converted model is fine-tuned
 on the labelled training split with the original as teacher, for a budget of `--recover-epochs` (a fraction is that

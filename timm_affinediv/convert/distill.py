@@ -1,36 +1,27 @@
 """ Logit distillation after the fit: the whole converted model trained towards the original's outputs
 
-The least-squares fit is the best each layer can do alone, on its own target. Where the layers' function differs from
-the normalised map they replace more than a refit can make up for (a depthwise PatchNorm divides each window of one
-channel by its own norm; a norm after a ReLU sees patches of very different norms), the errors compound with depth,
-and the model's predictions drift. Distillation then trains every parameter of the converted model at once so that
-its class distribution, and each corrected layer's output, match the original's, no labels:
+The least-squares fit is the best each layer can do alone. Where a layer's function differs from the normalised map
+it replaces more than a refit can make up for (a depthwise PatchNorm divides each window of one channel by its own
+norm; a norm after a ReLU sees patches of very different norms), the errors compound with depth. Distillation then
+trains every parameter of the converted model at once, without labels, on
 
     L = KL(softmax(z_original) || softmax(z_converted))  +  w mean_l |a_l - t_l|^2 / |t_l|^2,   over a batch,
 
 `a_l` the output of corrected layer `l`, `t_l` the original's value where the fit aimed it (a norm's output before
-its activation, or the layer's own output), `w` = `DistillOptions.features`: the fit's targets, now trained for
-together through the whole model (on Fashion-MNIST's `tinynet_e`, 128 steps with them took the change in top-1 from
--17.0 after the fit to -1.7, against -8.5 on the logits alone: docs/families.md),
+its activation, or the layer's own output), `w` = `DistillOptions.features`: the fit's targets, trained together.
 
-on distillation images streamed from the caller's data (with train-time augmentation where they come from a dataset:
-a new view of each image each pass), the original's logits `z_original` computed on each batch as it comes: nothing
-is held but the batch. Adam, its learning rate, in each pass, rising linearly over the first fifth of the pass's
-steps and then decaying to 0 by a cosine (the first steps of Adam move every parameter by about the learning rate,
-which a bias divided by a small patch norm amplifies): every pass ends at a learning rate of 0, so the passes compare
-as finished models (a cosine over all passes leaves the first at its peak rate, where a model's KL is at its worst and
-an early stop would read it). Both models stay in eval mode (no dropout or drop-path; PatchNorm keeps no batch
-statistics).
+The images stream from the caller's data (with train-time augmentation where they come from a dataset), the
+original's logits computed on each batch as it comes: nothing is held but the batch. Each pass runs Adam with a
+linear warm-up over its first fifth and a cosine to 0 (Adam's first steps move every parameter by about the rate,
+which a bias divided by a small patch norm amplifies), so every pass ends as a finished model. Both models stay in
+eval mode (no dropout or drop-path; PatchNorm keeps no batch statistics).
 
-After each pass over the distillation images, the converted model's top-1 agreement with the original and their mean
-KL are measured on the check images: held-out images, neither fitted nor distilled on, where the caller gives them.
-The parameters of the best pass, the one of lowest KL there, are kept; with held-out images the distillation stops
-after `patience` passes in a row that do not lower it, and where no pass beat the fit, the fit is kept. The KL, not
-the top-1 agreement, judges the passes: it is the objective the distillation lowers, and it moves smoothly where the
-agreement on a thousand images moves by a few of them (a pass that lowered the KL by an eighth left the agreement
-0.3 points lower, and the next raised both: docs/families.md). What a pass
-costs: a forward pass of the original and a forward and backward pass of the converted model over the distillation
-images, and a forward pass of the converted model over the check images.
+After each pass, the top-1 agreement with the original and the mean KL are measured on the check images (held-out
+ones, neither fitted nor distilled on, where the caller gives them). The pass of lowest KL is kept, and the fit
+where no pass beat it; with held-out images the distillation stops after `patience` passes in a row that do not
+lower it. The KL judges because it is the objective, and it moves smoothly where the agreement on a thousand images
+moves by a few of them. A pass costs a forward pass of the original and a forward and backward pass of the converted
+model over the distillation images, and a forward pass of the converted model over the check images.
 """
 import math
 from dataclasses import dataclass, field

@@ -1,25 +1,24 @@
 """ Divergence-corrected affine maps: AffineDivLinear and PatchNormConv2d (PatchNorm)
 
-An affine layer `z = W x + b` trained by steepest descent moves its output by
-`-eta * g * (|x|^2 + 1)`: every sample (and, for a convolution, every output position,
-through its input patch `P_p`) gets its own effective learning rate. Dividing the map by
-the norm of its augmented input `a = [x; 1]` removes that factor:
+An affine layer `z = W x + b` trained by steepest descent moves its output by `-eta * g * (|x|^2 + 1)`: every sample
+(and, for a convolution, every output position, through its input patch `P_p`) gets its own effective learning
+rate. Dividing the map by the norm of its augmented input `a = [x; 1]` removes that factor:
 
     z = (W x + b) / s(x),    s(x)^2 = |a|^2 / c
 
-so one SGD step moves `z` by exactly `-eta * c * g`, the same for every sample and position.
-`scale="rms"` takes `c = m` (the length of `a`: fan-in, plus one with a bias), so `s` is the
-root mean square of `a` and activations keep the size of a plain layer; `scale="l2"` takes
-`c = 1`, the literal steepest-descent step. Without a bias `a = x` and a tiny `eps` guards 0/0.
+so one SGD step moves `z` by exactly `-eta * c * g`, the same for every sample and position. `scale="rms"` takes
+`c = m` (the length of `a`: fan-in, plus one with a bias), so `s` is the root mean square of `a` and activations keep
+the size of a plain layer; `scale="l2"` takes `c = 1`, the literal steepest-descent step. Without a bias `a = x` and a
+tiny `eps` guards 0/0.
 
-Norms are computed in float32 whatever the input dtype, so float16/bfloat16 do not overflow.
-Depthwise convolutions and linear maps with a wider output train through autograd Functions of
-their own, with fewer passes and temporaries than autograd through the same operations.
+Norms are computed in float32 whatever the input dtype, so float16/bfloat16 do not overflow. Depthwise convolutions
+and linear maps with a wider output train through autograd Functions of their own, with fewer passes and
+temporaries than autograd through the same operations.
 
-Under `torch.jit.script`, `torch.export` and both ONNX exporters (`portable_ops()`), the layers compute the
-same function with plain operations every one of them supports: no autograd Functions, no in-place `out=`,
-no `avg_pool2d(divisor_override=)` (which the dynamo ONNX exporter drops without an error) and no `vecdot`
-(which the TorchScript-based ONNX exporter lacks).
+Under `torch.jit.script`, `torch.export` and both ONNX exporters (`portable_ops()`), the layers compute the same
+function with plain operations every one of them supports: no autograd Functions, no in-place `out=`, no
+`avg_pool2d(divisor_override=)` (which the dynamo ONNX exporter drops without an error) and no `vecdot` (which the
+TorchScript-based ONNX exporter lacks).
 
 Reference: "The Affine Divergence: Aligning Activation Updates Beyond Normalisation", ICLR 2026 GRaM workshop
 (arXiv 2512.22247).
