@@ -13,4 +13,4 @@ from .config import (
 )
 from .distill import DistillationLoss, create_teacher
 from .metrics import evaluate, final_top1, plot_history
-from .trainer import Trainer, create_train_loss, create_train_model
+from .trainer import Trainer, create_train_loss, create_train_model, plateau_reached

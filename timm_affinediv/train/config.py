@@ -168,7 +168,11 @@ class TrainConfig:
     # evaluations and the stop rule (`Trainer`)
     evaluations: Optional[int] = None  # evaluate this many times, evenly over the run's updates, not at epoch ends
     stop_patience: Optional[int] = None  # stop after this many evaluations in a row that do not better the best
-    stop_target: Optional[float] = None  # stop at the first evaluation whose eval_metric reaches this
+    # with stop_patience: an evaluation counts against the best only where it is worse by more than this many standard
+    # errors of the difference (the evaluation's `*_se`); None: where it does not better it
+    stop_noise: Optional[float] = None
+    stop_target: Optional[float] = None  # stop at the first evaluation whose stop_target_metric reaches this
+    stop_target_metric: Optional[str] = None  # one of EVAL_METRICS; None: eval_metric
     checkpoint_hist: int = 1
     log_interval: int = 50
     progress: Optional[bool] = None  # progress bars; None: when stderr is a terminal, else log lines
@@ -227,6 +231,7 @@ class TrainConfig:
              'evaluations inside epochs need a schedule stepped on updates: add --sched-on-updates'),
             (self.stop_patience is None or self.stop_patience >= 1,
              f'stop-patience must be >= 1, got {self.stop_patience}'),
+            (self.stop_noise is None or self.stop_noise >= 0, f'stop-noise must be >= 0, got {self.stop_noise}'),
             (self.batch_size >= 1, f'batch size must be >= 1, got {self.batch_size}'),
             (self.grad_accum_steps >= 1, f'grad-accum-steps must be >= 1, got {self.grad_accum_steps}'),
             (0. <= self.distill_weight <= 1., f'distill-weight must be in [0, 1], got {self.distill_weight}'),
@@ -266,6 +271,8 @@ class TrainConfig:
             (self.aug_repeats >= 0, f'aug-repeats must be >= 0, got {self.aug_repeats}'),
             (self.eval_metric in EVAL_METRICS, f"eval-metric must be one of {', '.join(EVAL_METRICS)}, got "
                                                f"'{self.eval_metric}'"),
+            (self.stop_target_metric in (None, *EVAL_METRICS),
+             f"stop-target-metric must be one of {', '.join(EVAL_METRICS)}, got '{self.stop_target_metric}'"),
         ]
         for ok, message in checks:
             if not ok:

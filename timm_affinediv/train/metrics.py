@@ -2,6 +2,7 @@
 import csv
 import io
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -61,7 +62,10 @@ def evaluate(
         progress: bool = False,
         memory_format: torch.memory_format = torch.contiguous_format,
 ) -> Dict[str, float]:
-    """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode.
+    """ Cross-entropy loss, top-1 and top-5 accuracy (%) and images/s of `model` on `loader`, in eval mode, with the
+    standard error of each mean over the images (`loss_se`: the per-image losses' standard deviation over sqrt(n);
+    `top1_se`, `top5_se`: the binomial sqrt(p (1 - p) / n), in points): the noise of the figure as an estimate of the
+    model's on more images like these.
 
     `device`: where the batches go (default: the model's). `distributed`: sum over all ranks (every rank must call
     it). `memory_format`: that of the batches (`torch.channels_last` for a channels-last model). The model's
@@ -70,7 +74,7 @@ def evaluate(
     device = device if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct@1, correct@5, samples, squared loss
     start = time.perf_counter()
     for x, target in tqdm(loader, desc='eval', unit='batch', leave=False, dynamic_ncols=True, disable=not progress):
         x = x.to(device, non_blocking=True, memory_format=memory_format)
@@ -80,18 +84,21 @@ def evaluate(
         output = output.float()
         acc1, acc5 = accuracy(output, target, topk=(1, min(5, output.shape[-1])))
         n = target.shape[0]
-        sums += torch.stack([F.cross_entropy(output, target, reduction='sum').double(),
-                             acc1.double() * n / 100, acc5.double() * n / 100,
-                             torch.tensor(n, dtype=torch.float64, device=device)])
+        losses = F.cross_entropy(output, target, reduction='none').double()
+        sums += torch.stack([losses.sum(), acc1.double() * n / 100, acc5.double() * n / 100,
+                             torch.tensor(n, dtype=torch.float64, device=device), losses.square().sum()])
     if distributed:
         dist.all_reduce(sums)
     elapsed = time.perf_counter() - start
     model.train(was_training)
-    loss, correct1, correct5, samples = sums.tolist()
+    loss, correct1, correct5, samples, squared = sums.tolist()
     if samples == 0:
         raise ConfigError('the evaluation set is empty; check --val-split / --val-subset.')
-    return dict(loss=loss / samples, top1=100 * correct1 / samples, top5=100 * correct5 / samples,
-                img_s=samples / elapsed)
+    mean, top1, top5 = loss / samples, correct1 / samples, correct5 / samples
+    loss_var = max(squared / samples - mean ** 2, 0.) * samples / max(samples - 1, 1)
+    return dict(loss=mean, top1=100 * top1, top5=100 * top5, img_s=samples / elapsed,
+                loss_se=math.sqrt(loss_var / samples), top1_se=100 * math.sqrt(top1 * (1 - top1) / samples),
+                top5_se=100 * math.sqrt(top5 * (1 - top5) / samples))
 
 
 def write_metrics(history: List[Dict[str, float]], out: str) -> None:

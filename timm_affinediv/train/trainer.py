@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import timm
 import torch
@@ -86,7 +86,7 @@ from .distill import DistillationLoss, create_teacher
 from .distributed import init_distributed
 from .metrics import evaluate, write_metrics
 
-__all__ = ['Trainer', 'create_train_model', 'create_train_loss']
+__all__ = ['Trainer', 'create_train_model', 'create_train_loss', 'plateau_reached']
 
 _logger = logging.getLogger(__name__)
 
@@ -181,6 +181,25 @@ def _match_head(model: nn.Module, dataset_classes: int, num_classes: Optional[in
     _logger.info(f'replacing the {head}-class head with a new {dataset_classes}-class one')
     model.reset_classifier(dataset_classes)
     bind_patchnorm(model)  # the new head is a plain Linear: a patchnorm slot before it corrects it again
+
+
+def plateau_reached(values: Sequence[float], errors: Sequence[float], patience: int, noise: Optional[float] = None,
+                    lower_is_better: bool = False) -> bool:
+    """ Whether the last `patience` evaluations `values` all count against the best one before them.
+
+    With `noise` None, an evaluation counts where it does not better the best. With `noise` k, it counts only where it
+    is worse than the best `b` by more than k standard errors of the difference, `|v - b| > k sqrt(se_v^2 + se_b^2)`
+    (`errors` the evaluations' standard errors): a curve flat within its noise never stops.
+    """
+    best_at = values.index(min(values) if lower_is_better else max(values))
+    after = range(best_at + 1, len(values))
+    if len(after) < patience:
+        return False
+    if noise is None:
+        return True
+    sign = 1. if lower_is_better else -1.
+    return all(sign * (values[i] - values[best_at]) > noise * math.hypot(errors[i], errors[best_at])
+               for i in after[-patience:])
 
 
 class Trainer:
@@ -508,10 +527,13 @@ class Trainer:
                         autocast=self._autocast, distributed=self.distributed,
                         progress=self._progress_bars(), memory_format=self.memory_format)
 
+    def _history_key(self, metric: str) -> str:
+        """The history's key of an evaluation metric: of the EMA weights where there are some (train.py's choice)."""
+        return f"{'ema_' if self.ema is not None else ''}val_{metric}"
+
     @property
     def _metric_key(self) -> str:
-        """The history's key of `eval_metric`: of the EMA weights where there are some (train.py's choice)."""
-        return f"{'ema_' if self.ema is not None else ''}val_{self.cfg.eval_metric}"
+        return self._history_key(self.cfg.eval_metric)
 
     def _evaluate(self, epoch: int, train_metrics: Dict[str, float], since: float) -> bool:
         """Evaluate the model (and its EMA), add the metrics to the history and reset the training meter; returns
@@ -548,18 +570,21 @@ class Trainer:
                          f'updates ({self.images_seen} images): {self._metric_key} {metrics[self._metric_key]:.4g}')
 
     def _stop_reason(self) -> Optional[str]:
-        """'target' where the last evaluation reached `stop_target`, 'plateau' where the last `stop_patience` ones
-        did not better the best before them, else None: a function of the history, so a resumed run agrees."""
+        """'target' where the last evaluation reached `stop_target`, 'plateau' where `plateau_reached` says so of the
+        history, else None: a function of the history, so a resumed run agrees."""
         cfg = self.cfg
         if not self.history:
             return None
+        target_metric = cfg.stop_target_metric or cfg.eval_metric
+        last = self.history[-1][self._history_key(target_metric)]
+        if cfg.stop_target is not None and (last <= cfg.stop_target if target_metric == 'loss' else
+                                            last >= cfg.stop_target):
+            return 'target'
         values = [h[self._metric_key] for h in self.history]
         lower_is_better = cfg.eval_metric == 'loss'
-        if cfg.stop_target is not None and (values[-1] <= cfg.stop_target if lower_is_better else
-                                            values[-1] >= cfg.stop_target):
-            return 'target'
-        best_at = values.index(min(values) if lower_is_better else max(values))
-        if cfg.stop_patience is not None and len(values) - 1 - best_at >= cfg.stop_patience:
+        if cfg.stop_patience is not None and plateau_reached(
+                values, [h.get(f'{self._metric_key}_se', 0.) for h in self.history], cfg.stop_patience,
+                cfg.stop_noise, lower_is_better):
             return 'plateau'
         return None
 
