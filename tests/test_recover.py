@@ -66,19 +66,23 @@ def test_half_an_epoch_runs_its_images_on_a_schedule_spanning_them_and_reports_t
                  f'| converted (no labels) | {report.converted_top1:.2f} |',
                  f'| recovered (128 training images) | {report.recovered_top1:.2f} |'):
         assert line in card
-    assert 'after 128 of 128 training images, stopped at the end of its budget' in ' '.join(card.split())
+    assert ('after 128 of 128 training images at a peak rate of 0.001; stopped at the end of its budget'
+            in ' '.join(card.split()))
+    assert f'standard error of the recovered figure is {report.top1_se:.2f} points' in ' '.join(card.split())
+    assert report.eval_images == 128 and report.lr_sweep == [] and report.sweep_images == 0
 
 
 def test_target_stops_at_the_first_evaluation_that_reaches_it(models, tmp_path):
-    _, report = run(models, tmp_path, epochs=0.5, evaluations=4, target_top1=0.5)
+    _, report = run(models, tmp_path, epochs=0.5, evaluations=4, target_top1=0.5, lr=1e-3)
     assert (report.stopped, len(report.curve), report.images, report.kept_images) == ('target', 1, 32, 32)
     assert 'stopped on reaching the target top-1' in report.describe()
 
 
 def test_plateau_stops_and_returns_the_best_evaluations_weights(models, tmp_path):
-    """A learning rate too small to change a prediction: the second evaluation does not better the first, so the
-    run stops there (patience 1) and returns the first one's weights."""
-    model, report = run(models, tmp_path, epochs=0.5, evaluations=4, patience=1, lr=1e-12)
+    """A learning rate too small to change a prediction: on top-1 without a noise margin, the second evaluation does
+    not better the first, so the run stops there (patience 1) and returns the first one's weights."""
+    model, report = run(models, tmp_path, epochs=0.5, evaluations=4, patience=1, lr=1e-12, metric='top1',
+                        stop_noise=None)
     assert (report.stopped, len(report.curve), report.images, report.kept_images) == ('plateau', 2, 64, 32)
     assert report.recovered_top1 == report.curve[0]['top1'] == report.curve[1]['top1']
     best = load_file(str(tmp_path / 'checkpoints' / 'epoch-0000-000001' / 'model.safetensors'))
@@ -104,11 +108,11 @@ class _NudgingTrainer(recover.Trainer):
 
 
 def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tmp_path, monkeypatch):
-    """Updates that change no prediction: no evaluation is above the converted model's held-out top-1 (a tie is not
-    above), so its weights (not the trained ones) and top-1 are returned, written and published, and the report
-    says so."""
+    """Updates that change no prediction, judged on top-1: the trained model is not above the converted model's
+    held-out top-1 (a tie is not above), so its weights (not the trained ones) and top-1 are returned, written and
+    published, and the report says so."""
     monkeypatch.setattr(recover, 'Trainer', _NudgingTrainer)
-    model, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr=1e-12, keep_converted=True)
+    model, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr=1e-12, keep_converted=True, metric='top1')
     assert max(p['top1'] for p in report.curve) <= report.converted_top1
     trained = load_file(str(next((tmp_path / 'checkpoints').glob('*/model.safetensors'))))
     assert not all(torch.equal(v, models[1].state_dict()[k]) for k, v in trained.items())
@@ -117,9 +121,63 @@ def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tm
     assert all(torch.equal(v.cpu(), converted[k]) for k, v in model.state_dict().items())
     for weights in (tmp_path / 'model.safetensors', tmp_path / 'model' / 'model.safetensors'):
         assert all(torch.equal(v, converted[k]) for k, v in load_file(str(weights)).items())
-    assert 'with no evaluation above the converted model, which is kept' in report.describe()
+    assert 'with the converted model better on held-out top-1, which is kept' in report.describe()
     assert f'| recovered (128 training images) | {report.converted_top1:.2f} |' in (
         tmp_path / 'model' / 'README.md').read_text()
+
+
+class _SpoilingTrainer(recover.Trainer):
+    """The trainer, each update adding 0.3 to every parameter: a trained model worse than the conversion."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        step = self.optimizer.step
+
+        def step_then_spoil(*a, **k):
+            result = step(*a, **k)
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(0.3)
+            return result
+        self.optimizer.step = step_then_spoil
+
+
+def test_judged_on_loss_a_worse_trained_model_returns_the_conversion(models, tmp_path, monkeypatch):
+    monkeypatch.setattr(recover, 'Trainer', _SpoilingTrainer)
+    model, report = run(models, tmp_path, epochs=0.25, evaluations=1, lr=1e-3, keep_converted=True)
+    assert report.curve[-1]['loss'] > report.curve[-1]['loss_se'] > 0
+    assert (report.stopped, report.kept_images, report.recovered_top1) == ('converted', 0, report.converted_top1)
+    converted = models[1].state_dict()
+    assert all(torch.equal(v.cpu(), converted[k]) for k, v in model.state_dict().items())
+    assert 'with the converted model better on held-out loss, which is kept' in report.describe()
+
+
+def test_the_sweep_picks_the_rate_with_the_lowest_held_out_loss_and_counts_its_images(models, tmp_path):
+    """Two rates, each in a run of a quarter of the half-epoch budget (1 update of 32 images): the run goes on at
+    the rate whose held-out loss was lower; the sweep's images are reported beside the run's and on the card; the
+    record in the run folder has the rows."""
+    _, report = run(models, tmp_path, epochs=0.5, evaluations=2, lr_sweep=(1e-12, 3e-3), sweep_share=0.5)
+    rows = report.lr_sweep
+    assert [r['lr'] for r in rows] == [1e-12, 3e-3] and [r['images'] for r in rows] == [32, 32]
+    assert report.lr == min(rows, key=lambda r: r['loss'])['lr'] and rows[0]['loss'] != rows[1]['loss']
+    assert max(p['lr'] for p in report.curve) == pytest.approx(report.lr)
+    assert (report.images, report.sweep_images) == (128, 64)
+    assert json.loads((tmp_path / recover.SWEEP_RECORD).read_text()) == rows
+    assert '| recovered (192 training images) |' in (tmp_path / 'model' / 'README.md').read_text()
+    assert 'chosen by 64 images of short runs at 1e-12, 0.003' in report.describe()
+
+
+def test_plateau_with_a_noise_margin_needs_evaluations_worse_beyond_it():
+    from timm_affinediv.train import plateau_reached
+    flat = [0.50, 0.49, 0.495, 0.50]
+    errors = [0.02] * 4
+    assert plateau_reached(flat, errors, 2) and not plateau_reached(flat, errors, 2, noise=2.)
+    rising = [0.50, 0.40, 0.50, 0.52]
+    assert plateau_reached(rising, errors, 2, noise=2., lower_is_better=True)
+    assert not plateau_reached(rising, errors, 3, noise=2., lower_is_better=True)
+    assert not plateau_reached([0.50, 0.40, 0.44, 0.52], errors, 2, noise=2., lower_is_better=True)
+    assert plateau_reached([80., 84., 80.], [1., 1., 1.], 1, noise=2.)
+    assert not plateau_reached([80., 84., 82.], [1., 1., 1.], 1, noise=2.)
 
 
 class _InterruptedTrainer(recover.Trainer):
@@ -154,7 +212,7 @@ def test_mixup_lever_shows_the_original_the_same_mixed_images(models, tmp_path, 
     exactly the batch the converted model trains on."""
     monkeypatch.setattr(recover, 'Trainer', _SeeingTrainer)
     _SeeingTrainer.seen = {'model': [], 'teacher': []}
-    _, report = run(models, tmp_path, epochs=0.25, evaluations=1, mixup=0.4)
+    _, report = run(models, tmp_path, epochs=0.25, evaluations=1, mixup=0.4, lr=1e-3)
     seen = _SeeingTrainer.seen
     assert report.options['mixup'] == 0.4 and len(seen['model']) == 2
     assert all(torch.equal(a, b) for a, b in zip(seen['model'], seen['teacher'][-2:]))
@@ -177,6 +235,7 @@ def test_resume_after_an_interrupt_gives_the_uninterrupted_result(models, tmp_pa
         copy.deepcopy(original), copy.deepcopy(converted),
         RecoverOptions(batch_size=32, warmup=0., patience=None, **options), train=train)
     assert resumed.curve == full.curve and resumed.images == full.images == 192
+    assert resumed.lr_sweep == full.lr_sweep and resumed.lr == full.lr and len(full.lr_sweep) == 3
     assert (resumed.original_top1, resumed.converted_top1) == (full.original_top1, full.converted_top1)
     full_weights = full_model.state_dict()
     assert all(torch.equal(v, full_weights[k]) for k, v in resumed_model.state_dict().items())
@@ -184,7 +243,8 @@ def test_resume_after_an_interrupt_gives_the_uninterrupted_result(models, tmp_pa
 
 def test_options_refuse_values_that_cannot_work():
     from timm_affinediv.errors import AffineDivError
-    for bad in (dict(epochs=0), dict(target_top1=101), dict(patience=0), dict(warmup=1.)):
+    for bad in (dict(epochs=0), dict(target_top1=101), dict(patience=0), dict(warmup=1.), dict(metric='top5'),
+                dict(stop_noise=-1), dict(lr_sweep=()), dict(sweep_share=1.)):
         with pytest.raises(AffineDivError, match=next(iter(bad)).split('_')[0]):
             RecoverOptions(**bad).validate()
 
@@ -254,7 +314,7 @@ def test_measurement_script_quick_appends_rows_and_skips_measured_ones(run_scrip
     assert all(0 <= r[k] <= 100 for r in measured for k in ('original', 'converted', 'recovered', 'scratch',
                                                              'scratch_full'))
     again = run_script('measure_family_recovery', *args, timeout=300)
-    assert again.returncode == 0 and '0 rows measured, 2 already in' in again.stdout, again.stderr[-3000:]
+    assert again.returncode == 0 and '0 rows measured, 2 already in' in again.stderr, again.stderr[-3000:]
     assert len(rows.read_text().splitlines()) == 2
 
 

@@ -16,7 +16,9 @@ The held-out agreement after the fit decides whether the model is distilled. The
 `--recover` goes on to recover accuracy with the labels (`timm_affinediv.recover`): the converted model is fine-tuned
 on the labelled training split with the original as teacher, for a budget of `--recover-epochs` (a fraction is that
 share of the split's images, the schedule spanning exactly it), evaluated on the validation split as it goes and
-stopped at the budget's end, at `--recover-target` or after `--recover-patience` evaluations without a better top-1.
+stopped at the budget's end, at `--recover-target` or after `--recover-patience` evaluations worse than the best on
+held-out loss by more than its noise. The peak rate is `--recover-lr`, or by default the best of a short sweep over
+`--recover-lr-sweep` on the held-out images, its images counted in those spent.
 `--output` is then the run folder: `converted/` (the conversion's Hub folder), the checkpoints and curves,
 recovery_report.json, and `model/`, the recovered model's Hub folder, whose card gives the original's, the converted
 and the recovered top-1 and the images spent. An interrupted recovery continues with the same command and `--resume`.
@@ -124,12 +126,21 @@ def add_recovery_args(parser: argparse.ArgumentParser) -> None:
                        help="the budget in epochs of the training split (0.25: a quarter of its images)")
     group.add_argument('--recover-evaluations', type=positive_int, default=r.evaluations,
                        help='held-out evaluations spread evenly over the budget, the last at its end')
+    group.add_argument('--recover-metric', choices=('loss', 'top1'), default=r.metric,
+                       help='what the evaluations, the stop rule and the rate sweep judge on (held-out)')
     group.add_argument('--recover-patience', type=non_negative_int, default=r.patience,
-                       help='stop after this many evaluations without a better held-out top-1, keeping the best '
-                            '(0: never)')
+                       help='stop after this many evaluations worse than the best, keeping the best (0: never)')
+    group.add_argument('--recover-stop-noise', type=non_negative_float, default=r.stop_noise, metavar='SE',
+                       help='an evaluation is worse than the best only by more than this many standard errors')
     group.add_argument('--recover-target', type=top1_percent, metavar='TOP1',
                        help='stop at the first evaluation whose held-out top-1 (%%) reaches this')
-    group.add_argument('--recover-lr', type=positive_float, default=r.lr, help="the optimiser's peak learning rate")
+    group.add_argument('--recover-lr', type=positive_float, default=r.lr,
+                       help="the optimiser's peak learning rate (default: chosen by the sweep)")
+    group.add_argument('--recover-lr-sweep', type=positive_float, nargs='+', default=list(r.lr_sweep), metavar='LR',
+                       help='the peak rates the sweep tries, in short runs taking together --recover-sweep-share of '
+                            'the budget')
+    group.add_argument('--recover-sweep-share', type=unit_interval, default=r.sweep_share,
+                       help="the share of the budget's images the rate sweep takes")
     group.add_argument('--recover-warmup', type=unit_interval, default=r.warmup,
                        help='the fraction of the budget the learning rate warms up over (then a cosine to 0)')
     group.add_argument('--recover-batch-size', type=positive_int, default=r.batch_size)
@@ -144,8 +155,8 @@ def add_recovery_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument('--recover-mixup', type=non_negative_float, default=r.mixup, metavar='ALPHA',
                        help="timm's mixup alpha, the original seeing the same mixed images (0: off)")
     group.add_argument('--recover-keep-trained', action='store_true',
-                       help='return the trained model even where no evaluation betters the converted one (by '
-                            'default the converted model is kept then)')
+                       help='return the trained model even where it is not better than the converted one on '
+                            'held-out --recover-metric (by default the converted model is kept then)')
     group.add_argument('--recover-train-images', type=positive_int, metavar='N',
                        help='train on a fixed random N of the training split (the budget is in epochs of them)')
     group.add_argument('--recover-val-images', type=positive_int, metavar='N',
@@ -160,7 +171,9 @@ def recover_options(args: argparse.Namespace) -> RecoverOptions:
     """`RecoverOptions` of `add_recovery_args`' flags, checked."""
     options = RecoverOptions(
         epochs=args.recover_epochs, evaluations=args.recover_evaluations, patience=args.recover_patience or None,
-        target_top1=args.recover_target, lr=args.recover_lr, warmup=args.recover_warmup,
+        metric=args.recover_metric, stop_noise=args.recover_stop_noise, target_top1=args.recover_target,
+        lr=args.recover_lr, lr_sweep=tuple(args.recover_lr_sweep), sweep_share=args.recover_sweep_share,
+        warmup=args.recover_warmup,
         batch_size=args.recover_batch_size, distill_weight=args.recover_distill_weight,
         distill_temperature=args.recover_temperature, scale=tuple(args.recover_scale), hflip=args.recover_hflip,
         mixup=args.recover_mixup, keep_converted=not args.recover_keep_trained, seed=args.seed)
