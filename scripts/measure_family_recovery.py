@@ -61,11 +61,13 @@ from timm_affinediv.data import FASHION_MNIST_DIR, FashionMNIST, resolve_dataset
 from timm_affinediv.files import save_safetensors
 from timm_affinediv.model_io import DISTILL_IMAGES, HELDOUT_IMAGES, conversion_images, load_trained_model
 from timm_affinediv.recover import RecoverOptions, recover_model
-from timm_affinediv.train import TrainConfig
+from timm_affinediv.train import TrainConfig, plateau_reached
 
 BUDGETS = (0.125, 0.25, 0.5, 1.0)
 #: `RecoverOptions` of the measurement over the defaults: one evaluation, at the budget's end, and no stop rule
-MEASURED = dict(evaluations=1, patience=None)
+MEASURED = dict(evaluations=1, patience=None, lr=1e-4)
+#: The defaults `RecoverOptions` had before the rate sweep and the noise-aware stop rule, for the comparison
+OLD_DEFAULTS = dict(lr=1e-4, metric='top1', stop_noise=None)
 QUICK = dict(models=['resnet18'], budgets=[0.5, 1.0], epochs=1, train_images=128, calib_batches=2,
              heldout_images=64, distill_images=128, test_images=64, val_images=64)
 #: The recovery's validation split with --command-defaults: this many held-out training images
@@ -327,6 +329,93 @@ def defaults_tables(rows: List[Dict[str, Any]]) -> str:
     return '\n\n'.join(tables)
 
 
+def _options_are(row: Dict[str, Any], **over: Any) -> bool:
+    """Whether a --command-defaults row was measured with `RecoverOptions()` changed by `over` alone."""
+    return row['options'] == recipe_of(RecoverOptions(**over)) and not row['convert_options']
+
+
+def comparison_tables(rows: List[Dict[str, Any]]) -> str:
+    """ Per recipe, each original's test top-1 recovered with the previous defaults (`OLD_DEFAULTS`) and with today's,
+    the rate today's sweep chose, the training images spent (the sweep's included), PatchNorm from scratch on the
+    original's whole budget, and whether today's defaults reach the target: the higher of the original less 0.3
+    and PatchNorm from scratch."""
+    tables = []
+    for recipe in sorted({r['recipe'] for r in rows}, key=lambda n: (list(RECIPES) + [n]).index(n)):
+        by_model: Dict[str, Dict[str, Dict[str, Any]]] = {}
+        for r in rows:
+            if r['recipe'] == recipe and r['budget'] == RecoverOptions().epochs:
+                kind = 'new' if _options_are(r) else 'old' if _options_are(r, **OLD_DEFAULTS) else None
+                if kind:
+                    by_model.setdefault(r['model'], {})[kind] = r
+        lines = [f'Previous defaults against today\'s ({recipe} originals, one epoch; test top-1):\n',
+                 '| family | original | converted | previous defaults | defaults | change | rate chosen | images spent '
+                 '| from scratch, whole budget | target met |', '|---|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+        for model in sorted(by_model, key=family_rank):
+            old, new = by_model[model].get('old'), by_model[model].get('new')
+            some = new or old
+            cells = [f"{old['recovered']:.2f}" if old else '', f"**{new['recovered']:.2f}**" if new else '',
+                     f"{new['recovered'] - old['recovered']:+.2f}" if old and new else '']
+            if new:
+                report = new['report']
+                target = max(some['original'] - 0.3, some['scratch_full'])
+                spent = f"{new['images'] + report.get('sweep_images', 0):,} of {report['budget_images']:,}"
+                rest = [f"{report['lr']:g}", spent, f"{some['scratch_full']:.2f}",
+                        'yes' if new['recovered'] >= target else f"no ({new['recovered'] - target:+.2f})"]
+            else:
+                rest = ['', '', f"{some['scratch_full']:.2f}", '']
+            lines.append(f"| `{model}` | {some['original']:.2f} | {some['converted']:.2f} | " + ' | '.join(cells + rest)
+                         + ' |')
+        tables.append('\n'.join(lines))
+    return '\n\n'.join(tables)
+
+
+def stop_rule_table(rows: List[Dict[str, Any]]) -> str:
+    """ The stop rules on the measured held-out curves of today's defaults: where each would have stopped (the
+    evaluation, of the curve's), and whether the curve's end is better than what it would have kept. Today's rule:
+    held-out loss, 2 evaluations worse than the best by more than 2 standard errors; the previous one: held-out top-1,
+    2 evaluations that do not better the best. A stop is false where the end is better on the rule's own statistic
+    (for the previous rule, by more than 2 standard errors of held-out top-1 too). Only curves that ran to their
+    budget's end show where a rule would have stopped them."""
+    lines = ['The stop rules on the held-out curves of today\'s defaults (evaluation it stops at, of the curve\'s; '
+             'the end against what it keeps):\n',
+             '| family | recipe | today\'s rule (loss, 2 SE) | end against kept, loss | previous rule (top-1) | '
+             'end against kept, top-1 (2 SE) |', '|---|---|---:|---:|---:|---:|']
+    stops = dict(new=[0, 0], old=[0, 0, 0])
+    curves = 0
+    for r in sorted((r for r in rows if _options_are(r) and r['report']['stopped'] in ('budget', 'converted')),
+                    key=lambda r: (family_rank(r['model']), r['recipe'])):
+        curve = r['report']['curve']
+        loss, loss_se, top1 = ([p[k] for p in curve] for k in ('loss', 'loss_se', 'top1'))
+        top1_se = [math.sqrt(max(t * (100 - t), 0.) / r['val_images']) for t in top1]
+        curves += 1
+        new_at = next((k for k in range(1, len(curve) + 1)
+                       if plateau_reached(loss[:k], loss_se[:k], 2, 2., lower_is_better=True)), None)
+        old_at = next((k for k in range(1, len(curve) + 1) if plateau_reached(top1[:k], top1_se[:k], 2)), None)
+        cells = []
+        if new_at:
+            kept = min(loss[:new_at])
+            stops['new'][0] += 1
+            stops['new'][1] += loss[-1] < kept
+            cells += [f'{new_at} of {len(curve)}', f'{loss[-1] - kept:+.4f}']
+        else:
+            cells += [f'none ({len(curve)})', '']
+        if old_at:
+            best = max(range(old_at), key=lambda i: top1[i])
+            gain = top1[-1] - top1[best]
+            stops['old'][0] += 1
+            stops['old'][1] += gain > 0
+            stops['old'][2] += gain > 2 * math.hypot(top1_se[-1], top1_se[best])
+            cells += [f'{old_at} of {len(curve)}', f'{gain:+.2f}']
+        else:
+            cells += [f'none ({len(curve)})', '']
+        lines.append(f"| `{r['model']}` | {r['recipe']} | " + ' | '.join(cells) + ' |')
+    lines.append(f"\nOf {curves} curves, today's rule stops {stops['new'][0]} early, {stops['new'][1]} of them with "
+                 f"the end better on held-out loss; the previous rule stops {stops['old'][0]} early, "
+                 f"{stops['old'][1]} of them with the end better on held-out top-1, {stops['old'][2]} by more than "
+                 'its noise (2 standard errors).')
+    return '\n'.join(lines)
+
+
 def seeds_table(rows: List[Dict[str, Any]]) -> str:
     """Per original and budget measured with more than one recovery seed (`--recover-kwargs seed=N`; the same
     original and conversion): the recovered top-1 of each seed and their spread (max - min)."""
@@ -424,8 +513,11 @@ def main(argv=None) -> int:
         if seeds:
             print('\nThe recovery seeds (same original and conversion):\n\n' + seeds)
     if len(fixed) < len(shown):
-        print('\n' + defaults_tables([r for r in shown if r.get('defaults')]))
-    print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''))
+        defaults = [r for r in shown if r.get('defaults')]
+        print('\n' + defaults_tables(defaults))
+        print('\n' + comparison_tables(defaults))
+        print('\n' + stop_rule_table(defaults))
+    print(f'{len(rows)} rows measured' + (f', {len(done)} already in {args.json}' if done else ''), file=sys.stderr)
     return 0
 
 
