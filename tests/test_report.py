@@ -2,9 +2,10 @@
 by hand.
 
 - A table inside a page sits in a block `<!-- generated: COMMAND -->` ... `<!-- /generated -->`: COMMAND (a
-  `python ...` or `timm-affinediv ...` line, run from the repository root with this interpreter and the repository
-  first on PYTHONPATH) prints the block's lines, byte for byte but for trailing newlines. It reads records only:
-  seconds, no training.
+  `python ...` or `timm-affinediv ...` line, run from the repository root) prints the block's lines, byte for byte
+  but for trailing newlines. It reads records only: seconds, no training, so it runs in this process, as
+  test_examples.py runs the documented commands (a fresh interpreter, importing torch and timm, would cost more
+  than the command).
 - A table file that a script writes whole (`TABLE_FILES`) is written again into a temporary folder from the same
   record and compared.
 - Every other markdown table line (a line starting with `|`, outside code blocks) is an error.
@@ -14,13 +15,14 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import pytest
+from examples import _in_process as in_process
+from examples import run_python
 
 ROOT = Path(__file__).parents[1]
 RESULTS = ROOT / 'docs' / 'results'
@@ -85,13 +87,22 @@ def command_words(command: str) -> List[str]:
     raise ValueError(f'{command}: a block\'s command is `python ...` or `timm-affinediv ...`')
 
 
-def run_command(command: str, timeout: float = 120) -> str:
-    """The standard output of `command`, run from the repository root with the repository first on PYTHONPATH."""
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join(p for p in (str(ROOT), os.environ.get('PYTHONPATH')) if p)}
-    proc = subprocess.run(command_words(command), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f'{command}: exit status {proc.returncode}\n{proc.stderr[-2000:]}'
-    return proc.stdout
+def run_command(command: str) -> str:
+    """The standard output of `command`, run in this process from the repository root (a script as `__main__`, its
+    folder first on sys.path; the process state it sets restored afterwards)."""
+    words = command_words(command)
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        if words[1] == '-c':
+            outcome = run_python(words[2], {'__name__': '__main__'})
+        else:
+            outcome = in_process(['timm-affinediv', *words[3:]] if words[1:3] == ['-m', 'timm_affinediv'] else
+                                 ['python', *words[1:]])
+    finally:
+        os.chdir(cwd)
+    assert outcome.status == 0, f'{command}: exit status {outcome.status}\n{outcome.err[-2000:]}'
+    return outcome.out
 
 
 def differences(expected: str, got: str) -> str:
