@@ -334,36 +334,46 @@ def _options_are(row: Dict[str, Any], **over: Any) -> bool:
     return row['options'] == recipe_of(RecoverOptions(**over)) and not row['convert_options']
 
 
+#: The peak rates measured beside the sweep's choice, each with today's stop rule, to judge the choice
+FIXED_RATES = (3e-4, 1e-3)
+
+
 def comparison_tables(rows: List[Dict[str, Any]]) -> str:
     """ Per recipe, each original's test top-1 recovered with the previous defaults (`OLD_DEFAULTS`) and with today's,
     the rate today's sweep chose, the training images spent (the sweep's included), PatchNorm from scratch on the
-    original's whole budget, and whether today's defaults reach the target: the higher of the original less 0.3
-    and PatchNorm from scratch."""
+    original's whole budget, whether today's defaults reach the target (the higher of the original less 0.3 and
+    PatchNorm from scratch), and, where measured, today's defaults at each of `FIXED_RATES` instead of the sweep."""
     tables = []
     for recipe in sorted({r['recipe'] for r in rows}, key=lambda n: (list(RECIPES) + [n]).index(n)):
-        by_model: Dict[str, Dict[str, Dict[str, Any]]] = {}
+        by_model: Dict[str, Dict[Any, Dict[str, Any]]] = {}
         for r in rows:
-            if r['recipe'] == recipe and r['budget'] == RecoverOptions().epochs:
-                kind = 'new' if _options_are(r) else 'old' if _options_are(r, **OLD_DEFAULTS) else None
-                if kind:
-                    by_model.setdefault(r['model'], {})[kind] = r
+            if r['recipe'] != recipe or r['budget'] != RecoverOptions().epochs:
+                continue
+            kinds = [('new', {}), ('old', OLD_DEFAULTS)] + [(lr, dict(lr=lr)) for lr in FIXED_RATES]
+            kind = next((k for k, over in kinds if _options_are(r, **over)), None)
+            if kind is not None:
+                by_model.setdefault(r['model'], {})[kind] = r
+        rates = [lr for lr in FIXED_RATES if any(lr in kinds for kinds in by_model.values())]
         lines = [f'Previous defaults against today\'s ({recipe} originals, one epoch; test top-1):\n',
                  '| family | original | converted | previous defaults | defaults | change | rate chosen | images spent '
-                 '| from scratch, whole budget | target met |', '|---|---:|---:|---:|---:|---:|---:|---:|---:|---|']
+                 '| from scratch, whole budget | target met |' + ''.join(f' at {lr:g} |' for lr in rates),
+                 '|---|---:|---:|---:|---:|---:|---:|---:|---:|---|' + '---:|' * len(rates)]
         for model in sorted(by_model, key=family_rank):
-            old, new = by_model[model].get('old'), by_model[model].get('new')
-            some = new or old
+            measured = by_model[model]
+            old, new = measured.get('old'), measured.get('new')
+            some = new or old or next(iter(measured.values()))
             cells = [f"{old['recovered']:.2f}" if old else '', f"**{new['recovered']:.2f}**" if new else '',
                      f"{new['recovered'] - old['recovered']:+.2f}" if old and new else '']
             if new:
                 report = new['report']
                 target = max(some['original'] - 0.3, some['scratch_full'])
                 spent = f"{new['images'] + report.get('sweep_images', 0):,} of {report['budget_images']:,}"
-                rest = [f"{report['lr']:g}", spent, f"{some['scratch_full']:.2f}",
-                        'yes' if new['recovered'] >= target else f"no ({new['recovered'] - target:+.2f})"]
+                cells += [f"{report['lr']:g}", spent, f"{some['scratch_full']:.2f}",
+                          'yes' if new['recovered'] >= target else f"no ({new['recovered'] - target:+.2f})"]
             else:
-                rest = ['', '', f"{some['scratch_full']:.2f}", '']
-            lines.append(f"| `{model}` | {some['original']:.2f} | {some['converted']:.2f} | " + ' | '.join(cells + rest)
+                cells += ['', '', f"{some['scratch_full']:.2f}", '']
+            cells += [f"{measured[lr]['recovered']:.2f}" if lr in measured else '' for lr in rates]
+            lines.append(f"| `{model}` | {some['original']:.2f} | {some['converted']:.2f} | " + ' | '.join(cells)
                          + ' |')
         tables.append('\n'.join(lines))
     return '\n\n'.join(tables)

@@ -393,6 +393,28 @@ def test_recovery_seeds_are_tabled_beside_each_other_and_kept_out_of_the_summary
     assert summary.count('`resnet18`') == 1 and '84.20' in summary and '84.60' not in summary
 
 
+def test_defaults_are_compared_with_the_previous_ones_and_the_stop_rules_replayed_on_their_curves(monkeypatch):
+    """Today's defaults against the previous ones on one original, the target (the higher of the original less 0.3
+    and from scratch), and the two stop rules on a held-out curve whose top-1 dips within its noise while its loss
+    falls: the previous rule stops at the third evaluation though the end is better; today's runs to the end."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    from measure_family_recovery import OLD_DEFAULTS, comparison_tables, recipe_of, stop_rule_table
+    top1s, losses = (80., 79.5, 79.8, 80.6, 81.), (0.60, 0.58, 0.57, 0.55, 0.54)
+    curve = [dict(images=64 * k, top1=t, loss=v, loss_se=0.02, lr=1e-4) for k, (t, v) in enumerate(zip(top1s, losses))]
+    report = dict(curve=curve, stopped='budget', lr=3e-4, sweep_images=96, budget_images=1000)
+    base = dict(model='resnet18', recipe='augmented', budget=1.0, convert_options={}, images=1000, original=80.,
+                converted=78., scratch_full=79., val_images=1024, report=report)
+    rows = [dict(base, options=recipe_of(RecoverOptions()), recovered=79.8),
+            dict(base, options=recipe_of(RecoverOptions(**OLD_DEFAULTS)), recovered=78.5)]
+    assert ('| `resnet18` | 80.00 | 78.00 | 78.50 | **79.80** | +1.30 | 0.0003 | 1,096 of 1,000 | 79.00 | yes |'
+            in comparison_tables(rows))
+    assert 'no (-0.20)' in comparison_tables([dict(rows[0], recovered=79.5)])
+    table = stop_rule_table(rows)
+    assert '| `resnet18` | augmented | none (5) |  | 3 of 5 | +1.00 |' in table
+    assert ("today's rule stops 0 early, 0 of them with the end better on held-out loss; the previous rule stops 1 "
+            'early, 1 of them with the end better on held-out top-1, 0 by more than its noise') in table
+
+
 @pytest.mark.parametrize('recovered, original, scratch_full, expected', [
     (84.2, 84.4, 84.0, 'convert; within 0.3 of the original'),
     (83.9, 85.2, 84.3, 'convert; 1.30 below the original, stopped by the layer: from scratch is 0.90 below the '
