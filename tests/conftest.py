@@ -44,9 +44,16 @@ SCRIPTS = Path(__file__).parents[1] / 'scripts'
 
 @pytest.fixture
 def run_script():
-    """Run `python scripts/<name>.py ARGS...` (the developer scripts of the source tree) in a fresh process,
-    returning the finished process (text output captured)."""
+    """Run `python scripts/<name>.py ARGS...` (the developer scripts of the source tree) as `__main__` in this process
+    (examples.py's runner: the scripts' folder first on sys.path, the process state a script sets restored
+    afterwards), returning it as a finished process (exit status, text output). With subprocess.run's keyword
+    arguments (`env=`), in a fresh process. A fresh interpreter imports torch and timm again, which took longer than
+    most of these runs; test_scripts.py starts every script in a fresh one."""
     def run(name: str, *args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPTS / f'{name}.py'), *args], capture_output=True, text=True,
-                              timeout=timeout, **kwargs)
+        argv = [sys.executable, str(SCRIPTS / f'{name}.py'), *args]
+        if kwargs:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+        from examples import _in_process
+        outcome = _in_process(['python', f'scripts/{name}.py', *args])
+        return subprocess.CompletedProcess(argv, outcome.status, outcome.out, outcome.err)
     return run
