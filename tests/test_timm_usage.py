@@ -9,6 +9,9 @@ import timm_affinediv  # noqa: F401  (registers patchnorm)
 from timm_affinediv import AffineDivLinear, PatchNormConv2d, describe_slots, residual_init
 
 MODELS = ['resnet18', 'convnext_atto']
+# for torch.compile, whose time grows with the blocks it compiles: one block a stage still has every layer kind of
+# the model (stem, downsampling block, head)
+ONE_BLOCK_A_STAGE = dict(resnet18=dict(layers=(1, 1, 1, 1)), convnext_atto=dict(depths=(1, 1, 1, 1)))
 
 
 def _create(name, **kwargs):
@@ -114,7 +117,7 @@ def test_convnext_runs_channels_last_from_the_stem_like_layernorm(conv_mlp):
 
 def test_torch_compile_training_step():
     """torch.compile captures the layers' own autograd Functions: outputs and gradients equal eager mode."""
-    model = _create('convnext_atto')
+    model = _create('convnext_atto', **ONE_BLOCK_A_STAGE['convnext_atto'])
     x = torch.randn(2, 1, 32, 32)
     grads = []
     for forward in (model, torch.compile(model, backend='aot_eager')):
@@ -150,7 +153,7 @@ def test_checkpoint_reload_through_timm(name, tmp_path):
 
 
 def test_torch_compile_on_cpu():
-    model = _create('resnet18').eval()
+    model = _create('resnet18', **ONE_BLOCK_A_STAGE['resnet18']).eval()
     x = torch.randn(2, 1, 32, 32)
     compiled = torch.compile(model)
     with torch.no_grad():
