@@ -398,9 +398,10 @@ def stop_rule_table(rows: List[Dict[str, Any]]) -> str:
         loss, loss_se, top1 = ([p[k] for p in curve] for k in ('loss', 'loss_se', 'top1'))
         top1_se = [math.sqrt(max(t * (100 - t), 0.) / r['val_images']) for t in top1]
         curves += 1
-        new_at = next((k for k in range(1, len(curve) + 1)
+        # a rule that fires at the last evaluation stops nothing early
+        new_at = next((k for k in range(1, len(curve))
                        if plateau_reached(loss[:k], loss_se[:k], 2, 2., lower_is_better=True)), None)
-        old_at = next((k for k in range(1, len(curve) + 1) if plateau_reached(top1[:k], top1_se[:k], 2)), None)
+        old_at = next((k for k in range(1, len(curve)) if plateau_reached(top1[:k], top1_se[:k], 2)), None)
         cells = []
         if new_at:
             kept = min(loss[:new_at])
