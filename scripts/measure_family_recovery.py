@@ -343,13 +343,13 @@ def comparison_tables(rows: List[Dict[str, Any]]) -> str:
     the rate today's sweep chose, the training images spent (the sweep's included), PatchNorm from scratch on the
     original's whole budget, whether today's defaults reach the target (the higher of the original less 0.3 and
     PatchNorm from scratch), and, where measured, today's defaults at each of `FIXED_RATES` instead of the sweep."""
+    kinds = [('new', {}), ('old', OLD_DEFAULTS)] + [(lr, dict(lr=lr)) for lr in FIXED_RATES]
     tables = []
     for recipe in sorted({r['recipe'] for r in rows}, key=lambda n: (list(RECIPES) + [n]).index(n)):
         by_model: Dict[str, Dict[Any, Dict[str, Any]]] = {}
         for r in rows:
             if r['recipe'] != recipe or r['budget'] != RecoverOptions().epochs:
                 continue
-            kinds = [('new', {}), ('old', OLD_DEFAULTS)] + [(lr, dict(lr=lr)) for lr in FIXED_RATES]
             kind = next((k for k, over in kinds if _options_are(r, **over)), None)
             if kind is not None:
                 by_model.setdefault(r['model'], {})[kind] = r

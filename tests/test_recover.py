@@ -90,21 +90,28 @@ def test_plateau_stops_and_returns_the_best_evaluations_weights(models, tmp_path
     assert all(torch.equal(v, best[k]) for k, v in load_file(str(tmp_path / 'model' / 'model.safetensors')).items())
 
 
-class _NudgingTrainer(recover.Trainer):
-    """The trainer, each update moving every parameter by 1e-6 more: weights that differ from the conversion's
-    without a prediction changing."""
+def _adding_after_each_update(delta: float):
+    """The trainer, each update adding `delta` to every parameter after the optimiser's step."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        step = self.optimizer.step
+    class _AddingTrainer(recover.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            step = self.optimizer.step
 
-        def step_then_nudge(*a, **k):
-            result = step(*a, **k)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.add_(1e-6)
-            return result
-        self.optimizer.step = step_then_nudge
+            def step_then_add(*a, **k):
+                result = step(*a, **k)
+                with torch.no_grad():
+                    for p in self.model.parameters():
+                        p.add_(delta)
+                return result
+            self.optimizer.step = step_then_add
+    return _AddingTrainer
+
+
+#: weights that differ from the conversion's without a prediction changing
+_NudgingTrainer = _adding_after_each_update(1e-6)
+#: a trained model worse than the conversion
+_SpoilingTrainer = _adding_after_each_update(0.3)
 
 
 def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tmp_path, monkeypatch):
@@ -124,22 +131,6 @@ def test_a_recovery_that_betters_no_evaluation_returns_the_conversion(models, tm
     assert 'with the converted model better on held-out top-1, which is kept' in report.describe()
     assert f'| recovered (128 training images) | {report.converted_top1:.2f} |' in (
         tmp_path / 'model' / 'README.md').read_text()
-
-
-class _SpoilingTrainer(recover.Trainer):
-    """The trainer, each update adding 0.3 to every parameter: a trained model worse than the conversion."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        step = self.optimizer.step
-
-        def step_then_spoil(*a, **k):
-            result = step(*a, **k)
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.add_(0.3)
-            return result
-        self.optimizer.step = step_then_spoil
 
 
 def test_judged_on_loss_a_worse_trained_model_returns_the_conversion(models, tmp_path, monkeypatch):

@@ -227,14 +227,14 @@ def _card_recipe(report: RecoveryReport, dataset: str) -> str:
             f"{report.describe()} ({REPORT_NAME} has the curve).\n\n{report.format_table()}")
 
 
-def _sweep_rate(original: nn.Module, converted: nn.Module, options: RecoverOptions,
-                cfg: TrainConfig) -> List[Dict[str, float]]:
+def _sweep_rate(original: nn.Module, converted: nn.Module, options: RecoverOptions, cfg: TrainConfig,
+                resume: bool) -> List[Dict[str, float]]:
     """ Each rate of `options.lr_sweep` in its own short run from `converted` (a finished schedule of the budget's
     shape over `sweep_share / len(lr_sweep)` of it), evaluated once at its end: one row per rate with the training
     images it took and the held-out metrics. Recorded in `<output>/lr-sweep.json`, which a resumed recovery reads
-    back instead of sweeping again. """
+    back instead of sweeping again (`resume`). """
     record = Path(cfg.output) / SWEEP_RECORD
-    if cfg.resume and record.is_file():
+    if resume and record.is_file():
         rows = json.loads(record.read_text())
         if [r['lr'] for r in rows] == list(options.lr_sweep):
             return rows
@@ -243,7 +243,7 @@ def _sweep_rate(original: nn.Module, converted: nn.Module, options: RecoverOptio
     with tempfile.TemporaryDirectory(prefix='lr-sweep-') as scratch:
         for rate in options.lr_sweep:
             run = dataclasses.replace(cfg, epochs=epochs, lr=rate, warmup_epochs=options.warmup * epochs,
-                                      evaluations=1, stop_patience=None, stop_target=None, resume=None,
+                                      evaluations=1, stop_patience=None, stop_target=None,
                                       output=str(Path(scratch) / f'lr-{rate:g}'), progress=False)
             trainer = Trainer(run, model=copy.deepcopy(converted), teacher=original)
             result = trainer.fit()
@@ -320,8 +320,7 @@ def recover_model(
         train, **options.train_settings(), model=architecture(converted),
         norm_layer=get_model_args(converted).get('norm_layer'), num_classes=converted.num_classes,
         in_chans=model_in_chans(converted), teacher=None, resume=None)
-    sweep = [] if options.lr is not None else _sweep_rate(original, converted, options,
-                                                          dataclasses.replace(cfg, resume=train.resume))
+    sweep = [] if options.lr is not None else _sweep_rate(original, converted, options, cfg, bool(train.resume))
     cfg = dataclasses.replace(cfg, lr=options.lr if options.lr is not None else _swept_rate(sweep, options.metric))
     trainer = Trainer(cfg, model=converted, teacher=original)
     # measured before the checkpoint is read: on resume the model's weights are no longer the conversion's
