@@ -22,6 +22,7 @@ MODELS = {
     'resnet26d-patchnorm': ('resnet26d', dict(norm_layer='patchnorm', stem_width=8, **NARROW_RESNET)),
     'convnext-patchnorm': ('convnext_atto', dict(norm_layer='patchnorm', conv_mlp=False, **NARROW_CONVNEXT)),
     'convnext-conv_mlp-patchnorm': ('convnext_atto', dict(norm_layer='patchnorm', conv_mlp=True, **NARROW_CONVNEXT)),
+    'resnet18-patchnorm_ws': ('resnet18', dict(norm_layer='patchnorm_ws', **NARROW_RESNET)),
     'resnet18-affinediv': ('resnet18', dict(norm_layer='affinediv', **NARROW_RESNET)),
     'convnext-conv_mlp-affinediv': ('convnext_atto', dict(norm_layer='affinediv', conv_mlp=True, **NARROW_CONVNEXT)),
     # token models: slots over the last dim bound to qkv, fc1 and the head; Swin's through pads, rolls and windows

@@ -25,6 +25,7 @@ SCRIPTING_CHECKS = ['test_model_forward_torchscript', 'test_model_forward_fx_tor
 CASES = [(model, norm, check) for model, norm, checks in [
     ('resnet18', 'patchnorm', CHECKS), ('convnext_atto', 'patchnorm', CHECKS),
     ('resnet50d', 'patchnorm', SCRIPTING_CHECKS), ('resnet18', 'affinediv', SCRIPTING_CHECKS),
+    ('resnet18', 'patchnorm_ws', CHECKS),
     # token and channels-last families: slots over the last dim, bound to Linears
     ('test_vit', 'patchnorm', CHECKS), ('test_vit3', 'patchnorm', CHECKS), ('test_vit_relpos', 'patchnorm', CHECKS),
     ('test_mambaout', 'patchnorm', CHECKS),

@@ -61,7 +61,7 @@ PICKLE_SUFFIXES = ('.bin', '.pth', '.pt', '.pkl', '.pickle', '.ckpt', '.pth.tar'
 MODEL_CARD_PACKAGE, MODEL_CARD_TEMPLATE = 'timm_affinediv.model_cards', 'patchnorm.md'
 CARD_TAGS = ('image-classification', 'timm', 'timm_affinediv')
 #: Norm layers whose name is also a card tag: only models that have them are tagged so.
-NORM_TAGS = ('patchnorm', 'affinediv')
+NORM_TAGS = ('patchnorm', 'patchnorm_ws', 'affinediv')
 #: Placeholder repo id of a card written before the repo is known.
 REPO_PLACEHOLDER = 'YOUR-ORG/YOUR-MODEL'
 #: The most class names a card lists (ImageNet's 1000 are in config.json).
@@ -402,6 +402,10 @@ def _norm_description(norm_layer: str | None) -> str:
         return ('Norm layer: `patchnorm`. timm-affinediv\'s PatchNorm divides each convolution\'s output at every '
                 'position by the root mean square of the input patch it reads (plus one for the bias), so that a '
                 'gradient step moves every sample and position by the same factor: the affine divergence is removed.')
+    if norm_layer == 'patchnorm_ws':
+        return ('Norm layer: `patchnorm_ws`. PatchNorm, as `patchnorm`, with each convolution\'s weight standardised '
+                'per output channel (`(W - mean W) / sqrt(n (var W + 1e-6))`, timm\'s `ScaledStdConv2d`), so its '
+                'output does not grow with the weight\'s scale.')
     if norm_layer == 'affinediv':
         return ('Norm layer: `affinediv`. Every convolution and linear layer is divergence corrected '
                 '(`(W x + b) / s(x)`), with no normaliser: the paper\'s alternative to normalisation.')

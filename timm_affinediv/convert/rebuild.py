@@ -42,6 +42,9 @@ def model_in_chans(model: nn.Module) -> int:
 def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -> nn.Module:
     """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them),
     on `model`'s device and in its dtype (the weights carried over are then copied, and combined, where they are)."""
+    if norm.replace('_', '').lower() == 'patchnormws':
+        raise ConversionError(f"norm {norm!r} standardises each producer's weight, so a trained model's weights would "
+                              "compute another function: convert to 'patchnorm', or train 'patchnorm_ws' from scratch")
     if norm not in CONVERSION_NORMS:
         raise ConversionError(f'norm must be one of {CONVERSION_NORMS}, got {norm!r}')
     kwargs = dict(num_classes=getattr(model, 'num_classes', 1000), in_chans=model_in_chans(model))

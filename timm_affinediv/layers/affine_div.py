@@ -32,9 +32,12 @@ from timm.layers import register_notrace_module
 
 from ..errors import OptionError, ShapeError
 from .kernels import functional, use_triton
-from .patches import patch_sq_norm, portable_ops, sq_norm
+from .patches import at_least_float32, patch_sq_norm, portable_ops, sq_norm
 
-__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant']
+__all__ = ['AffineDivLinear', 'PatchNormConv2d', 'divergence_constant', 'standardised_weight']
+
+#: the variance guard of the weight standardisation, timm's `ScaledStdConv2d`'s
+WEIGHT_STD_EPS = 1e-6
 
 
 def check_scale(scale: str) -> str:
@@ -98,6 +101,16 @@ def augmented_input(x: torch.Tensor, inv_s: torch.Tensor, weight: torch.Tensor, 
         return x, weight
     bias_column = bias.view([-1, 1] + [1] * (weight.dim() - 2))
     return torch.cat([x, inv_s], dim=channel_dim), torch.cat([weight, bias_column], dim=1)
+
+
+def standardised_weight(weight: torch.Tensor, eps: float = WEIGHT_STD_EPS) -> torch.Tensor:
+    """ `(W - mean W) / sqrt(n (var W + eps))` per output channel (dim 0), over its fan-in of `n` entries: each row
+    centred, at unit norm (timm's `ScaledStdConv2d` with gain 1). Computed in float32 at least, returned in `W`'s dtype.
+    """
+    flat = at_least_float32(weight.flatten(1))
+    centred = flat - flat.mean(1, keepdim=True)
+    variance = centred.pow(2).mean(1, keepdim=True)
+    return (centred * torch.rsqrt((variance + eps) * float(flat.shape[1]))).to(weight.dtype).view_as(weight)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -242,6 +255,7 @@ class _DivergenceCorrected:
 
     def _init_fusion(self) -> None:
         self.fused_slot = None
+        self.standardise_weight = False
         self.register_state_dict_post_hook(_drop_fused_slot_keys)
         self.register_load_state_dict_post_hook(_ignore_fused_slot_keys)
 
@@ -269,9 +283,15 @@ class _DivergenceCorrected:
             if module is not None and name != 'fused_slot':
                 yield from module.named_modules(memo, f'{prefix}.{name}' if prefix else name, remove_duplicate)
 
+    def _weight(self) -> torch.Tensor:
+        """The weight the map applies: `weight`, or, where `standardise_weight` (a `patchnorm_ws` slot's producer),
+        `standardised_weight(weight)`: the output then no longer grows with the weight's scale, a different function
+        from the paper's."""
+        return standardised_weight(self.weight) if self.standardise_weight else self.weight
+
     def _fused_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(weight, bias, post_bias): the layer's parameters with a fused slot's gain folded in."""
-        weight, bias, slot = self.weight, self.bias, self.fused_slot
+        weight, bias, slot = self._weight(), self.bias, self.fused_slot
         if slot is None:
             return weight, bias, None
         gain = slot.weight.to(weight.dtype)
@@ -375,11 +395,12 @@ class AffineDivLinear(_DivergenceCorrected, nn.Linear):
     def _kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward on the fused Triton kernels, with the fused slot's affine in the output pass."""
         gain, post_bias = self._slot_affine()
-        return functional.affine_div_linear(x, self.weight, self.bias, gain, post_bias, self.divergence_constant,
+        return functional.affine_div_linear(x, self._weight(), self.bias, gain, post_bias, self.divergence_constant,
                                             norm_offset(self.bias is not None, self.eps))
 
     def extra_repr(self) -> str:
-        return f'{super().extra_repr()}, scale={self.scale}'
+        return f'{super().extra_repr()}, scale={self.scale}' + (', standardised weight' if self.standardise_weight
+                                                               else '')
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scale: str = 'rms') -> 'AffineDivLinear':
@@ -507,11 +528,12 @@ class PatchNormConv2d(_DivergenceCorrected, nn.Conv2d):
         gain, post_bias = self._slot_affine()
         act = 'none' if self.fused_slot is None else self.fused_slot.kernel_activation()
         return functional.patchnorm_conv2d(
-            x, self.weight, self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
+            x, self._weight(), self.bias, gain, post_bias, self.stride, padding, self.dilation, self.groups,
             self.divergence_constant, norm_offset(self.bias is not None, self.eps), act)
 
     def extra_repr(self) -> str:
-        return f'{super().extra_repr()}, scale={self.scale}'
+        return f'{super().extra_repr()}, scale={self.scale}' + (', standardised weight' if self.standardise_weight
+                                                               else '')
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, scale: str = 'rms', bias: Optional[bool] = None) -> 'PatchNormConv2d':

@@ -7,7 +7,8 @@ operations (permute, reshape, flatten, contiguous, Identity, Dropout), to
 - its producer: the `nn.Conv2d`/`nn.Linear` whose output reaches only this slot. It becomes
   `PatchNormConv2d`/`AffineDivLinear`, with a zero-initialised pre-division bias where it had
   none, so its divergence factor is exactly `c`, and it applies the slot's per-channel affine
-  in the same pass as its division (the slot then passes its input through);
+  in the same pass as its division (the slot then passes its input through); a `patchnorm_ws` slot's producer
+  applies its weight standardised (`standardise_weight`);
 - its consumers: the `nn.Conv2d`/`nn.Linear` that the slot's output reaches alone (ConvNeXt's
   `norm -> conv` downsample, `norm -> fc1`, `norm -> head.fc`, a ViT's `norm -> qkv`), and the `nn.LSTM`s
   (Sequencer's), made divergence corrected too (`AffineDivLSTM` corrects an LSTM's input map). A slot that
@@ -324,6 +325,7 @@ def bind_patchnorm(model: nn.Module) -> List[SlotBinding]:
         if bindings[name].producer is not None:
             correct(bindings[name].producer, slot.scale, add_bias=True)
             modules[bindings[name].producer].fuse_post_affine(slot)
+            modules[bindings[name].producer].standardise_weight = slot.standardises_producer
     for name, slot in slots.items():
         binding = bindings[name]
         for path in binding.consumers:

@@ -1,11 +1,11 @@
 """ Registration with timm's factories, on `import timm_affinediv`
 
 Adds, without changing any of timm's own entries:
-- `patchnorm` (`PatchNorm2d` slot), `affinediv` (`AffineDivNorm2d` slot: every affine map
-  corrected), `l2norm` (`L2Norm`) and `l2norm2d` (`L2Norm2d`) to the norm factory
-  (`get_norm_layer`/`create_norm_layer`);
-- `patchnorm` and `affinediv` norm-act slots to the norm+act factory (`get_norm_act_layer`);
-- `patchnorm`, `affinediv` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
+- `patchnorm` (`PatchNorm2d` slot), `patchnorm_ws` (`PatchNormWS2d`: its producer's weight standardised),
+  `affinediv` (`AffineDivNorm2d` slot: every affine map corrected), `l2norm` (`L2Norm`) and `l2norm2d`
+  (`L2Norm2d`) to the norm factory (`get_norm_layer`/`create_norm_layer`; timm drops the underscore);
+- `patchnorm`, `patchnorm_ws` and `affinediv` norm-act slots to the norm+act factory (`get_norm_act_layer`);
+- `patchnorm`, `patchnorm_ws`, `affinediv` and `l2norm` to ConvNeXt's own (NCHW, channels-last) norm map, so
   `convnext_*` takes them in both MLP layouts;
 - a step inside `timm.create_model` (timm's model builder, after construction and before
   pretrained weights load) that binds the model's `patchnorm` slots and opens the residual branches timm's
@@ -26,18 +26,37 @@ from ..errors import RegistrationError
 from .binding import bind_patchnorm
 from .norm import L2Norm, L2Norm2d
 from .residual_init import get_residual_init, init_residual_branches
-from .slot import AffineDivNorm, AffineDivNorm2d, AffineDivNormAct2d, PatchNorm, PatchNorm2d, PatchNormAct2d
+from .slot import (
+    AffineDivNorm,
+    AffineDivNorm2d,
+    AffineDivNormAct2d,
+    PatchNorm,
+    PatchNorm2d,
+    PatchNormAct2d,
+    PatchNormWS,
+    PatchNormWS2d,
+    PatchNormWSAct2d,
+)
 
 __all__ = ['register', 'norm_layer_refusal']
 
-NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, affinediv=AffineDivNorm2d,
-                   affinedivnorm2d=AffineDivNorm2d, l2norm=L2Norm, l2norm2d=L2Norm2d)
-NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d, affinediv=AffineDivNormAct2d,
+# timm looks its factories up with the name's underscores dropped: `patchnorm_ws` finds `patchnormws`
+NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, patchnormws=PatchNormWS2d,
+                   patchnormws2d=PatchNormWS2d, affinediv=AffineDivNorm2d, affinedivnorm2d=AffineDivNorm2d,
+                   l2norm=L2Norm, l2norm2d=L2Norm2d)
+NORM_ACT_LAYERS = dict(patchnorm=PatchNormAct2d, patchnorm2d=PatchNormAct2d, patchnormws=PatchNormWSAct2d,
+                       patchnormws2d=PatchNormWSAct2d, affinediv=AffineDivNormAct2d,
                        affinedivnorm2d=AffineDivNormAct2d)
 # ConvNeXt's (N, C, H, W) slots return channels-last memory, as its LayerNorm2d does
 CONVNEXT_NORM_LAYERS = dict(patchnorm=(functools.partial(PatchNorm2d, channels_last=True), PatchNorm),
+                            patchnormws=(functools.partial(PatchNormWS2d, channels_last=True), PatchNormWS),
                             affinediv=(functools.partial(AffineDivNorm2d, channels_last=True), AffineDivNorm),
                             l2norm=(L2Norm2d, L2Norm))
+
+
+def _factory_key(name: str) -> str:
+    """The key timm's norm factories look `name` up by: lower case, underscores dropped."""
+    return name.replace('_', '').lower()
 
 
 def _add_entries(table: dict, entries: dict, where: str) -> None:
@@ -103,7 +122,8 @@ def _with_slot_class(create_fn):
             return create_fn(*args, **kwargs)
         except (TypeError, KeyError) as e:
             norm = kwargs.get('norm_layer')
-            refusal = norm_layer_refusal(e) if isinstance(norm, str) and norm in NORM_LAYERS else ''
+            norm = _factory_key(norm) if isinstance(norm, str) else norm
+            refusal = norm_layer_refusal(e) if norm in NORM_LAYERS else ''
             if refusal == 'swapped':
                 return _swap_batchnorms(create_fn(*args, **{k: v for k, v in kwargs.items() if k != 'norm_layer'}),
                                         norm)
@@ -130,7 +150,8 @@ def register() -> None:
     compat.NORM_ACT_REQUIRES_ARG.update(NORM_ACT_LAYERS.values())
     # the norm-act factory maps a norm class to its norm-act twin by the class name
     _add_entries(compat.NORM_TO_NORM_ACT_MAP,
-                 dict(patchnorm2d=PatchNormAct2d, affinedivnorm2d=AffineDivNormAct2d), 'norm-act factory')
+                 dict(patchnorm2d=PatchNormAct2d, patchnormws2d=PatchNormWSAct2d,
+                      affinedivnorm2d=AffineDivNormAct2d), 'norm-act factory')
     _add_entries(compat.CONVNEXT_NORM_MAP, CONVNEXT_NORM_LAYERS, 'ConvNeXt norm map')
     compat.wrap_init_model_traits(_binding_init_model_traits, marker='binds_patchnorm')
     compat.wrap_model_entrypoint(_slot_class_entrypoints, marker='takes_slot_names')

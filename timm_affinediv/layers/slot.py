@@ -12,6 +12,9 @@ it feeds into its divergence-corrected form too. A bound slot computes
 and where a producer feeds it, the producer applies this affine in the same pass as its
 division by `s` (the slot's parameters stay the slot's; the slot passes its input through).
 
+A `patchnorm_ws` slot binds the same way and also standardises its producer's weight (`standardise_weight`): a
+scale-invariant producer, a different function from the paper's PatchNorm.
+
 An unbound slot (nothing affine beside it, or not yet bound) takes the standalone form, the
 RMS normaliser over channels followed by the affine (`rmsnorm`, the affine divergence's
 solution (a)): `y = weight * x / sqrt(mean_c(x^2) + eps) + bias`.
@@ -31,8 +34,8 @@ from .kernels import functional, use_triton
 from .norm import channel_affine, l2_normalise
 from .patches import portable_ops
 
-__all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d',
-           'SlotBinding', 'NormMismatchError']
+__all__ = ['PatchNorm', 'PatchNorm2d', 'PatchNormAct2d', 'PatchNormWS', 'PatchNormWS2d', 'PatchNormWSAct2d',
+           'AffineDivNorm', 'AffineDivNorm2d', 'AffineDivNormAct2d', 'SlotBinding', 'NormMismatchError']
 
 # what a BatchNorm layer's state dict holds beyond the affine a slot shares with it
 _BATCHNORM_STATISTICS = ('running_mean', 'running_var', 'num_batches_tracked')
@@ -83,6 +86,8 @@ class PatchNormSlot(nn.Module):
     __constants__ = ['channel_dim']
     # `affinediv` slots: every affine map of the model is corrected, the slot is only an affine
     corrects_all_affine = False
+    # `patchnorm_ws` slots: the producer's weight is standardised (`standardise_weight`)
+    standardises_producer = False
     norm_name = 'patchnorm'
 
     def __init__(self, num_features: int, eps: float = 1e-6, scale: str = 'rms', device=None, dtype=None):
@@ -225,3 +230,27 @@ class AffineDivNormAct2d(PatchNormAct2d):
     """The `affinediv` slot + dropout + activation, for timm's norm-act factory."""
     corrects_all_affine = True
     norm_name = 'affinediv'
+
+
+@register_notrace_module
+class PatchNormWS2d(PatchNorm2d):
+    """ The `patchnorm_ws` slot (N, C, H, W): binds like `patchnorm`, and its producer applies its weight
+    standardised per output channel, `(W - mean W) / sqrt(n (var W + 1e-6))` over the fan-in `n`, so the producer's
+    output no longer grows with its weight's scale (timm's `ScaledStdConv2d`, gain 1: the slot's `weight` is the
+    gain). A different function from `patchnorm`'s: for training from scratch, not for converting trained weights."""
+    standardises_producer = True
+    norm_name = 'patchnorm_ws'
+
+
+@register_notrace_module
+class PatchNormWS(PatchNorm):
+    """The `patchnorm_ws` slot over the last dimension (see `PatchNormWS2d`)."""
+    standardises_producer = True
+    norm_name = 'patchnorm_ws'
+
+
+@register_notrace_module
+class PatchNormWSAct2d(PatchNormAct2d):
+    """The `patchnorm_ws` slot + dropout + activation, for timm's norm-act factory."""
+    standardises_producer = True
+    norm_name = 'patchnorm_ws'
