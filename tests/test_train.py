@@ -310,6 +310,18 @@ def test_bfloat16_amp_with_clipping_on_cpu(tmp_path):
         Trainer(tiny_config(tmp_path, amp=True, amp_dtype='float16', device='cpu'))
 
 
+def test_adaptive_clipping_leaves_the_classifier_alone_as_timms_train_py_does(tmp_path):
+    """AGC bounds a gradient by its weight's norm: on `patchnorm`'s zero classifier it would allow steps of 2e-5 at
+    most. timm's train.py leaves the head out of AGC, and so does the Trainer: the classifier learns."""
+    cfg = tiny_config(tmp_path, norm_layer='patchnorm', opt='sgd', lr=0.1, clip_grad=0.02, clip_mode='agc', epochs=1,
+                      train_subset=128, val_subset=32)
+    trainer = Trainer(cfg)
+    classifier = trainer.model.get_classifier()
+    assert not classifier.weight.any()
+    trainer.fit()
+    assert classifier.weight.abs().max() > 1e-2
+
+
 class _PoisonAfter(nn.Module):
     """Wraps a model; its training outputs turn NaN after `after` training forward passes."""
 

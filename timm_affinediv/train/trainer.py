@@ -38,6 +38,7 @@ import torch.nn as nn
 from safetensors.torch import load_file
 from timm.data import Mixup
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.models import model_parameters
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import ModelEmaV3, NativeScaler, dispatch_clip_grad, distribute_bn, random_seed
@@ -374,16 +375,21 @@ class Trainer:
             * self.world_size
 
     # ---- training
+    def _clipped_parameters(self):
+        """What gradient clipping acts on, as in timm's train.py: every parameter, less the classifier's under
+        adaptive clipping (AGC clips relative to the weight's norm, and a zero classifier would never move)."""
+        return model_parameters(self.model, exclude_head='agc' in self.cfg.clip_mode)
+
     def _backward(self, loss: torch.Tensor, need_update: bool) -> None:
         cfg = self.cfg
         if self.loss_scaler is not None:
             self.loss_scaler(loss, self.optimizer, clip_grad=cfg.clip_grad, clip_mode=cfg.clip_mode,
-                             parameters=self.model.parameters(), need_update=need_update)
+                             parameters=self._clipped_parameters(), need_update=need_update)
             return
         loss.backward()
         if need_update:
             if cfg.clip_grad is not None:
-                dispatch_clip_grad(self.model.parameters(), cfg.clip_grad, mode=cfg.clip_mode)
+                dispatch_clip_grad(self._clipped_parameters(), cfg.clip_grad, mode=cfg.clip_mode)
             self.optimizer.step()
 
     def _sync_check(self, epoch: int) -> bool:
