@@ -94,7 +94,7 @@ def norm_names() -> List[str]:
 
 def norm_name(text: str) -> str:
     """A `norm_layer` name of timm's norm factories, e.g. batchnorm, layernorm2d, patchnorm."""
-    if text.lower() not in norm_names():
+    if text.replace('_', '').lower() not in norm_names():  # as timm's factories look names up
         raise argparse.ArgumentTypeError(f"unknown norm layer '{text}'; choose one of {', '.join(norm_names())}")
     return text
 
