@@ -117,6 +117,16 @@ def test_patchnorm_conv(geometry, bias, channels_last, kernels):
     assert got[1].is_contiguous(memory_format=torch.channels_last) == channels_last
 
 
+@needs_interpreter
+@pytest.mark.parametrize('geometry', ['3x3', 'depthwise', 'wide-1x1'])
+def test_standardised_weight_on_the_kernels(geometry, kernels):
+    """A `patchnorm_ws` producer hands the kernels its standardised weight: output and gradients as torch's path."""
+    cin, cout, k, kwargs = GEOMETRIES[geometry]
+    conv = _conv(cin, cout, k, **kwargs)
+    conv.standardise_weight = True
+    _compare(conv, torch.randn(2, cin, 7, 6), kernels)
+
+
 def _fused(conv: PatchNormConv2d, act_layer) -> nn.Sequential:
     """`conv` with a bound PatchNormAct2d applying its affine (and, on the Triton path, its activation)."""
     slot = PatchNormAct2d(conv.out_channels, act_layer=act_layer).double()
