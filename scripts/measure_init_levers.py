@@ -13,7 +13,10 @@ The levers (joined with `+`):
 - `fc0`: the classifier's weight and bias at zero;
 - `centred`: every PatchNorm convolution reads its patch with the patch's mean removed, `(W (P - mean(P)) + b) /
   s(P - mean(P))` (a different function, measured only here);
-- `agc`: timm's adaptive gradient clipping (`timm.utils.adaptive_clip_grad`, 0.02) on all but the classifier.
+- `agc`: timm's adaptive gradient clipping (`timm.utils.adaptive_clip_grad`, 0.02) on all but the classifier;
+- `ws`: every PatchNorm convolution's weight standardised per output channel as timm's `ScaledStdConv2d` does,
+  `(W - mean W) / (std W * sqrt(fan_in))`, so its output no longer grows with the weight's scale; `wn`: the same
+  without the centring, `W / |W|` (different functions, measured only here).
 
     python scripts/measure_init_levers.py --json docs/results/init-levers.jsonl --table docs/results/init-levers.md
     python scripts/measure_init_levers.py --quick --json runs/levers-quick.jsonl
@@ -32,6 +35,7 @@ from paper.data import load_fashion_mnist
 from paper.models import FAMILIES
 from paper.runs import recipe_optimizer
 from timm.utils import adaptive_clip_grad
+from torch.nn.utils import parametrize
 
 import timm_affinediv
 from timm_affinediv import PatchNormConv2d
@@ -40,10 +44,11 @@ from timm_affinediv.commands import command_parser
 from timm_affinediv.errors import OptionError
 from timm_affinediv.files import atomic_write
 
-LEVERS = ('timm', 'open1', 'open', 'fc0', 'centred', 'agc', 'default')
+LEVERS = ('timm', 'open1', 'open', 'fc0', 'centred', 'agc', 'ws', 'wn', 'default')
 DEFAULT_RUNS = ('timm@0.00625', 'timm@0.05', 'open1@0.00625', 'open1@0.05', 'open@0.0125', 'open@0.05',
                 'timm+fc0@0.05', 'default@0.0125', 'default@0.05', 'default@0.1', 'centred+timm@0.05',
-                'centred@0.05', 'default+agc@0.1', 'default+agc@0.2')
+                'centred@0.05', 'default+agc@0.1', 'default+agc@0.2', 'default+ws@0.05', 'default+ws@0.1',
+                'default+ws@0.2', 'default+wn@0.1', 'default+wn@0.2')
 TOTAL_STEPS, BATCH = 234, 64
 
 
@@ -70,6 +75,19 @@ def centred_forward(conv: PatchNormConv2d, x: torch.Tensor) -> torch.Tensor:
     return conv._scale_output(y, inv_s, post_bias, 1, groups)
 
 
+class StandardisedWeight(torch.nn.Module):
+    """A convolution weight per output channel at unit norm over its fan-in, centred first where `centre`."""
+
+    def __init__(self, centre: bool):
+        super().__init__()
+        self.centre = centre
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.centre:
+            weight = weight - weight.mean((1, 2, 3), keepdim=True)
+        return weight * weight.pow(2).sum((1, 2, 3), keepdim=True).add(1e-8).rsqrt()
+
+
 def build(model_name: str, levers: List[str]) -> torch.nn.Module:
     kwargs: Dict[str, Any] = dict(FAMILIES[model_name], in_chans=1, num_classes=10)
     if 'open1' in levers or 'open' in levers:
@@ -91,6 +109,10 @@ def build(model_name: str, levers: List[str]) -> torch.nn.Module:
         for module in model.modules():
             if isinstance(module, PatchNormConv2d):
                 module.forward = centred_forward.__get__(module)
+    if 'ws' in levers or 'wn' in levers:
+        for module in model.modules():
+            if isinstance(module, PatchNormConv2d):
+                parametrize.register_parametrization(module, 'weight', StandardisedWeight('ws' in levers))
     return model
 
 
@@ -148,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = command_parser('measure_init_levers', __doc__, prog='scripts/measure_init_levers.py')
     parser.add_argument('--model', choices=sorted(FAMILIES), default='resnet50', help='(default: resnet50)')
     parser.add_argument('--runs', nargs='+', default=list(DEFAULT_RUNS),
-                        help='LEVER[+LEVER...]@RATE each (default: the fourteen of the report)')
+                        help='LEVER[+LEVER...]@RATE each (default: the nineteen of the report)')
     parser.add_argument('--steps', type=positive_int, default=100, help='updates of each run (default: 100)')
     parser.add_argument('--json', required=True, help='JSON-lines record, appended to (a run already there is '
                                                       'skipped)')
