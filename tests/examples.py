@@ -229,6 +229,7 @@ SHORTER: Dict[str, Dict[str, List[str]]] = {
     'scripts/measure_recovery_swap.py': {'--quick': []},
     'scripts/signal_propagation.py': {'--quick': []},
     'scripts/measure_init_levers.py': {'--quick': []},
+    'scripts/tune_longer_budget.py': {'--quick': []},
     'scripts/coverage.py': {'--modules': ['resnet'], '--max-params': ['1'], '--output': ['coverage.md']},
     'scripts/experiments.py': {'--only': ['mlp'], '--quick': []},
     'scripts/kernel_registers.py': {'--models': ['resnet18'], '--archs': ['sm_90a']},
