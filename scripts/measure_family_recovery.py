@@ -231,7 +231,8 @@ def table_row(m: Dict[str, Any]) -> str:
             f"{m['scratch']:.2f} | {m['scratch_full']:.2f} |")
 
 
-#: Two seeds of one setting differ by this much (points of top-1): a smaller difference is not a verdict
+#: A smaller difference (points of top-1) is not a verdict: two runs trained alike differ by more at the median
+#: (docs/results/families.md, its seed pairs; tests/test_evidence.py holds the threshold to that record)
 SEED_NOISE = 0.5
 #: Top-1 of a guess among Fashion-MNIST's 10 classes; a model within a point of it has not trained
 CHANCE_TOP1 = 10.

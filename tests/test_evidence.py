@@ -33,7 +33,7 @@ from paper import (  # noqa: E402
     t_quantile,
     train_run,
 )
-from paper.analysis import difference_interval  # noqa: E402
+from paper.analysis import difference_interval, seed_pair_noise  # noqa: E402
 
 FASHION_MNIST = '/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz'
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
@@ -216,6 +216,22 @@ def test_difference_interval_is_welchs():
     assert difference_interval([2.0], [1.0, 1.5]) == (pytest.approx(0.75), 0.0)
 
 
+def test_seed_noise_counts_each_pair_of_seeds_of_a_trained_row_once():
+    rows = [dict(test_mean=80.0, test_by_seed=[80.0, 81.0, 79.0]),
+            dict(test_mean=80.0, test_by_seed=[80.0, 81.0, 79.0]),  # a repeat (DeiT's rows are ViT's runs)
+            dict(test_mean=10.0, test_by_seed=[9.0, 11.0, 10.0])]  # did not train
+    assert seed_pair_noise(rows) == dict(pairs=3, median=1.0, p25=1.0, p75=1.5)
+
+
+def test_the_verdicts_seed_noise_is_no_looser_than_the_recorded_seed_pairs():
+    """The convert-or-train-from-scratch verdict calls a difference under `SEED_NOISE` noise: two runs trained
+    alike (the families record's seed pairs) must differ by at least that much at the median."""
+    from measure_family_recovery import SEED_NOISE
+    record = json.loads((Path(__file__).parents[1] / 'docs' / 'results' / 'families.json').read_text())
+    noise = record['analysis']['seed_pairs']
+    assert noise['pairs'] >= 100 and noise['p25'] <= SEED_NOISE <= noise['median'], noise
+
+
 def test_t_quantile_matches_the_printed_table():
     """The closed-form Student t against a printed table (3 decimals), and near the normal limit."""
     table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -298,9 +314,12 @@ def _check_quick_families(out: Path) -> None:
         assert len(swept) == len(rates) + config.edge_steps and r['lr'] in swept
         grown = [lr for lr in swept if not any(lr == pytest.approx(x) for x in rates)]
         assert grown == [pytest.approx(2 * max(rates))] or grown == [pytest.approx(min(rates) / 2)], swept
+    long_seeds = dict(config.long_seeds)
+    assert long_seeds and all(n > config.seeds for n in long_seeds.values())
     for r in longer:
-        assert r['sweep_val'] == {} and r['seeds'] == config.seeds and not r['lr_at_grid_edge']
-    runs = len(short) * (len(config.lrs) + config.edge_steps + config.seeds - 1) + len(longer) * config.seeds
+        assert r['sweep_val'] == {} and not r['lr_at_grid_edge']
+        assert r['seeds'] == long_seeds.get(r['model'], config.seeds)
+    runs = len(short) * (len(config.lrs) + config.edge_steps + config.seeds - 1) + sum(r['seeds'] for r in longer)
     assert len(record['runs']) == runs == len(list((out / 'runs' / 'families').glob('*.json')))
     cells = record['analysis']['cells']
     assert len(cells) == len(record['rows']) // 2 and sum(record['analysis']['counts'].values()) == len(cells)

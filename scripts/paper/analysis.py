@@ -206,15 +206,18 @@ def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, obj
     for r in rows:
         cells.setdefault((r['model'], r['epochs']), {})[r['variant']] = r
     lines = ['| family | native norm | optimiser | epochs | native: lr, top-1 | patchnorm: lr, top-1 | '
-             "patchnorm, timm's init: lr, top-1 | GroupNorm: lr, top-1 | patchnorm - native [95% CI] | verdict | "
-             'CPU-min |',
-             '|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|']
+             "patchnorm, timm's init: lr, top-1 | GroupNorm: lr, top-1 | patchnorm_ws: lr, top-1 | "
+             'patchnorm - native [95% CI] | verdict | CPU-min |',
+             '|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|']
+
+    usual_seeds = max(set(r['seeds'] for r in rows), key=[r['seeds'] for r in rows].count, default=0)
 
     def cell(r):
         if r is None:
             return ''
         edge = ' (grid edge)' if r['lr_at_grid_edge'] else ''
-        return f"{r['lr']:.3g}{edge}, {_acc(r)}"
+        seeds = f" ({r['seeds']} seeds)" if r['seeds'] != usual_seeds else ''
+        return f"{r['lr']:.3g}{edge}, {_acc(r)}{seeds}"
 
     verdicts = []
     for (model, epochs), by in cells.items():
@@ -229,13 +232,34 @@ def _families_analysis(rows: Sequence[Dict[str, object]]) -> Tuple[Dict[str, obj
         minutes = sum(r['cpu_s'] for r in by.values()) / 60
         lines.append(f"| {model} | {native_norm(model)} | {native['recipe']} | {epochs} | {cell(native)} | "
                      f"{cell(patch)} | {cell(by.get('patchnorm_timm_init'))} | {cell(by.get('groupnorm'))} | "
+                     f"{cell(by.get('patchnorm_ws'))} | "
                      f"**{diff:+.2f}** [{diff - half:+.2f}, "
                      f"{diff + half:+.2f}] | {verdict} | {minutes:.1f} |")
     counts = {v: sum(c['verdict'] == v for c in verdicts) for v in ('held', 'not held', 'within noise')}
+    noise = seed_pair_noise(rows)
     lines += ['', 'verdict: PatchNorm above its native norm (held), below (not held) or neither (within noise), by '
               'the 95% Welch interval of the difference of the seeds\' means; '
-              + ', '.join(f'{k} {n}' for k, n in counts.items()) + ' (rows)']
-    return dict(cells=verdicts, counts=counts), '\n'.join(lines) + '\n'
+              + ', '.join(f'{k} {n}' for k, n in counts.items()) + ' (rows)',
+              '', f"two runs trained alike (two seeds of one row, rows above {TRAINED_TOP1:g}% top-1) differ by "
+              f"{noise['median']:.2f} points of top-1 at the median (quartiles {noise['p25']:.2f}-{noise['p75']:.2f}, "
+              f"{noise['pairs']} pairs)"]
+    return dict(cells=verdicts, counts=counts, seed_pairs=noise), '\n'.join(lines) + '\n'
+
+
+#: rows at or below this test top-1 did not train: their seeds' differences say nothing about noise
+TRAINED_TOP1 = 50.0
+
+
+def seed_pair_noise(rows: Sequence[Dict[str, object]]) -> Dict[str, float]:
+    """How far apart two runs trained alike land: the absolute difference of test top-1 of every pair of seeds
+    of one row (rows whose mean is above `TRAINED_TOP1`), its median and quartiles."""
+    # DeiT's tiny model is ViT's: its rows repeat ViT's runs and are counted once
+    runs = {tuple(r['test_by_seed']) for r in rows if r['test_mean'] > TRAINED_TOP1}
+    pairs = [abs(a - b) for seeds in runs for i, a in enumerate(seeds) for b in seeds[i + 1:]]
+    if not pairs:
+        return dict(pairs=0, median=math.nan, p25=math.nan, p75=math.nan)
+    p25, median, p75 = np.percentile(pairs, [25, 50, 75])
+    return dict(pairs=len(pairs), median=float(median), p25=float(p25), p75=float(p75))
 
 
 def plot(experiment: str, rows: Sequence[Dict[str, object]], path: Path) -> None:

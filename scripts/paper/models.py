@@ -51,17 +51,18 @@ def native_norm(family: str) -> str:
 
 
 def family_variants(family: str) -> Tuple[str, ...]:
-    """The norms a family is trained with: its own, `patchnorm`, and, where the default opens residual branches (the
+    """The norms a family is trained with: its own, `patchnorm`; where the default opens residual branches (the
     ResNets and RegNet), `patchnorm` under timm's initialisation (`patchnorm_timm_init`) and GroupNorm (4 groups),
-    a normaliser without batch statistics in BatchNorm's place."""
-    opened = family in OPENED_FAMILIES
-    return ('native', 'patchnorm') + (('patchnorm_timm_init', 'groupnorm') if opened else ())
+    a normaliser without batch statistics in BatchNorm's place; and on the families trained with SGD, whose
+    rates `patchnorm` caps, `patchnorm_ws` (producers' weights standardised)."""
+    opened = ('patchnorm_timm_init', 'groupnorm') if family in OPENED_FAMILIES else ()
+    return ('native', 'patchnorm') + opened + (('patchnorm_ws',) if FAMILY_RECIPES[family] == 'sgd' else ())
 
 
 LABELS = dict(native='native', linear='plain Linear', batchnorm='BatchNorm', layernorm='LayerNorm', rmsnorm='RMSNorm',
               l2normlinear='norm-like (L2NormLinear)', affinediv='affine-like (AffineDivLinear)',
               groupnorm='GroupNorm', layernorm2d='LayerNorm2d', identity='none', patchnorm='patchnorm',
-              patchnorm_timm_init="patchnorm, timm's init")
+              patchnorm_timm_init="patchnorm, timm's init", patchnorm_ws='patchnorm_ws')
 
 
 def mlp_model(variant: str, width: int = 256, depth: int = 2, act: str = 'leaky_relu', in_features: int = 784,
@@ -121,12 +122,14 @@ def conv_model(variant: str, model: str = 'resnet10t', num_classes: int = 10) ->
 
 def family_model(variant: str, family: str, num_classes: int = 10) -> nn.Module:
     """ The model of a README family (`FAMILIES`, 1 input channel) with its own norm (`native`), `patchnorm`
-    (its default initialisation), `patchnorm_timm_init` (timm's) or `groupnorm` (4 groups, ResNets and RegNet). """
+    (its default initialisation), `patchnorm_timm_init` (timm's), `groupnorm` (4 groups) or `patchnorm_ws`
+    (`family_variants` says which family takes which). """
     if family not in FAMILIES:
         raise ValueError(f"unknown family model {family!r}; choose from {tuple(FAMILIES)}")
     if variant not in family_variants(family):
         raise ValueError(f"unknown {family} variant {variant!r}; choose from {family_variants(family)}")
     norm = dict(native={}, patchnorm=dict(norm_layer='patchnorm'), patchnorm_timm_init=dict(norm_layer='patchnorm'),
-                groupnorm=dict(norm_layer=functools.partial(GroupNorm, num_groups=4)))[variant]
+                groupnorm=dict(norm_layer=functools.partial(GroupNorm, num_groups=4)),
+                patchnorm_ws=dict(norm_layer='patchnorm_ws'))[variant]
     with residual_init('timm' if variant == 'patchnorm_timm_init' else 'skipinit'):
         return timm.create_model(family, in_chans=1, num_classes=num_classes, **FAMILIES[family], **norm)

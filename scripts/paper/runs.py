@@ -45,7 +45,8 @@ class Config:
     The `families` experiment: `lrs` are multiples of each family's recipe rate (`RECIPES`); where the best
     rate is at the grid's edge the grid grows past it, a step at a time, at most `edge_steps` times; the families
     (all of `FAMILIES` when `models` is empty) whose norms differ by more than `long_gap` points on the validation
-    split are trained again `long_factor` times as long at the rates chosen.
+    split are trained again `long_factor` times as long at the rates chosen, and so are the families of
+    `long_seeds`, whatever their gap, with the number of seeds given there.
     """
     n_train: int
     n_val: int
@@ -62,6 +63,7 @@ class Config:
     edge_steps: int = 0
     long_factor: int = 0
     long_gap: float = 2.0
+    long_seeds: Tuple[Tuple[str, int], ...] = ()
 
 
 # the norm-like layer's update factor is 2 where a plain layer's is about its fan-in: it takes larger rates
@@ -72,7 +74,9 @@ FULL = dict(
                  batch_sizes=(16, 32, 64, 128, 256, 512), steps=300, widths=(128,)),
     conv=Config(4000, 1000, 5000, epochs=3, lrs=(0.01, 0.03, 0.1, 0.3), seeds=3),
     families=Config(5000, 1000, 10000, epochs=3, lrs=(0.25, 0.5, 1.0, 2.0), seeds=3, batch_sizes=(64,),
-                    edge_steps=2, long_factor=4, long_gap=2.0),
+                    edge_steps=2, long_factor=4, long_gap=2.0,
+                    # the depthwise families' differences are about a point: 5 seeds resolve them
+                    long_seeds=(('mobilenetv3_small_050', 5), ('tinynet_e', 5))),
 )
 QUICK = dict(
     mlp=Config(512, 256, 256, epochs=1, lrs=(0.03, 0.3), seeds=2, widths=(16, 32), depths=(1, 2),
@@ -83,7 +87,7 @@ QUICK = dict(
     # each step of the protocol runs (on a family with depthwise and dense convolutions)
     families=Config(256, 128, 128, epochs=1, lrs=(0.5, 1.0), seeds=2, batch_sizes=(32,),
                     models=('mobilenetv3_small_050',), edge_steps=1, long_factor=2,
-                    long_gap=-1.0),
+                    long_gap=-1.0, long_seeds=(('mobilenetv3_small_050', 3),)),
 )
 EXPERIMENTS = tuple(FULL)
 
@@ -410,13 +414,16 @@ def longer_budget(
     by_model: Dict[str, List[Tuple[Setting, List[RunResult], List[RunResult]]]] = {}
     for r in results:
         by_model.setdefault(r[0].model, []).append(r)
+    long_seeds = dict(config.long_seeds)
     chosen = []
     for own in sorted(by_model.values(), key=lambda own: sum(run.cpu_s for _, _, final in own for run in final)):
         val = [float(np.mean([run.val_acc for run in final])) for _, _, final in own]
-        if max(val) - min(val) > config.long_gap:
-            chosen += [(replace(s, epochs=s.epochs * config.long_factor), final[0].lr) for s, _, final in own]
-    seeds = range(seed, seed + config.seeds)
-    _run_all([RunTask(s, lr, sd, config, str(runs_dir), data_root) for s, lr in chosen for sd in seeds],
+        model = own[0][0].model
+        if max(val) - min(val) > config.long_gap or model in long_seeds:
+            seeds = range(seed, seed + long_seeds.get(model, config.seeds))
+            chosen += [(replace(s, epochs=s.epochs * config.long_factor), final[0].lr, seeds) for s, _, final in own]
+    _run_all([RunTask(s, lr, sd, config, str(runs_dir), data_root) for s, lr, seeds in chosen for sd in seeds],
              config, workers, log)
-    finals = [(s, _recorded([_load_run(run_path(runs_dir, s, lr, sd), config) for sd in seeds])) for s, lr in chosen]
+    finals = [(s, _recorded([_load_run(run_path(runs_dir, s, lr, sd), config) for sd in seeds]))
+              for s, lr, seeds in chosen]
     return [(s, [], final) for s, final in finals if final]
