@@ -11,7 +11,7 @@ from conftest import SCRIPTS
 SCRIPT_NAMES = ('bench', 'bench_train', 'bench_onnx', 'bench_convert', 'bench_gpu', 'measure_conversion',
                 'measure_finetune', 'measure_family_conversion', 'compare_train_py', 'coverage', 'experiments',
                 'kernel_registers', 'launch_count', 'gpu_model', 'measure_family_recovery', 'measure_recovery_swap',
-                'signal_propagation', 'measure_init_levers')
+                'signal_propagation', 'measure_init_levers', 'tune_longer_budget')
 
 
 def test_every_script_is_listed():
