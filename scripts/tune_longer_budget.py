@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import torch
 from paper import FULL, QUICK, settings
+from paper.analysis import summary_row
 from paper.models import FAMILIES, LABELS
 from paper.runs import tune_and_repeat
 
@@ -28,12 +29,10 @@ def table(results, epochs: int) -> str:
     """Per norm: the rates tried and their validation top-1, the rate chosen, and test top-1 over the seeds."""
     lines = ['| family | norm | epochs | rates tried: val top-1 (seed 0) | chosen | test top-1, mean ± std (seeds) |',
              '|---|---|---:|---|---:|---:|']
-    for setting, sweep, final in results:
-        tried = ', '.join(f'{r.lr:g}: {r.val_acc:.1f}' for r in sorted(sweep, key=lambda r: r.lr))
-        test = torch.tensor([r.test_acc for r in final], dtype=torch.float64)
-        spread = float(test.std()) if len(test) > 1 else 0.0
-        lines.append(f'| {setting.model} | {LABELS[setting.variant]} | {epochs} | {tried} | {final[0].lr:g} | '
-                     f'{float(test.mean()):.2f} ± {spread:.2f} ({len(final)}) |')
+    for row in (summary_row(*result) for result in results):
+        tried = ', '.join(f'{lr}: {val:.1f}' for lr, val in sorted(row['sweep_val'].items(), key=lambda i: float(i[0])))
+        lines.append(f"| {row['model']} | {LABELS[row['variant']]} | {epochs} | {tried} | {row['lr']:g} | "
+                     f"{row['test_mean']:.2f} ± {row['test_std']:.2f} ({row['seeds']}) |")
     return '\n'.join(lines) + '\n'
 
 

@@ -19,6 +19,7 @@ from timm.utils import ParseKwargs
 from . import _timm_compat as compat
 from .errors import AffineDivError, DataError
 from .files import refuse_existing_output
+from .layers.register import factory_key
 
 __all__ = [
     'USER_ERRORS', 'ArgumentParser', 'positive_int', 'non_negative_int', 'positive_float', 'non_negative_float',
@@ -94,7 +95,7 @@ def norm_names() -> List[str]:
 
 def norm_name(text: str) -> str:
     """A `norm_layer` name of timm's norm factories, e.g. batchnorm, layernorm2d, patchnorm."""
-    if text.replace('_', '').lower() not in norm_names():  # as timm's factories look names up
+    if factory_key(text) not in norm_names():
         raise argparse.ArgumentTypeError(f"unknown norm layer '{text}'; choose one of {', '.join(norm_names())}")
     return text
 

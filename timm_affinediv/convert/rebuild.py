@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .._timm_compat import get_model_args
 from ..errors import ConversionError, SlotLayoutError
+from ..layers.register import NORM_LAYERS, factory_key
 from ..layers.slot import PatchNormSlot
 
 __all__ = ['CONVERSION_NORMS', 'architecture', 'model_in_chans', 'build_converted', 'check_norms', 'carry_weights']
@@ -42,7 +43,7 @@ def model_in_chans(model: nn.Module) -> int:
 def build_converted(model: nn.Module, norm: str = 'patchnorm', **model_kwargs) -> nn.Module:
     """`timm.create_model(arch, norm_layer=norm)` with the arguments `model` was created with (timm records them),
     on `model`'s device and in its dtype (the weights carried over are then copied, and combined, where they are)."""
-    if norm.replace('_', '').lower() == 'patchnormws':
+    if getattr(NORM_LAYERS.get(factory_key(norm)), 'standardises_producer', False):
         raise ConversionError(f"norm {norm!r} standardises each producer's weight, so a trained model's weights would "
                               "compute another function: convert to 'patchnorm', or train 'patchnorm_ws' from scratch")
     if norm not in CONVERSION_NORMS:

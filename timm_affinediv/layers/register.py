@@ -38,7 +38,7 @@ from .slot import (
     PatchNormWSAct2d,
 )
 
-__all__ = ['register', 'norm_layer_refusal']
+__all__ = ['register', 'norm_layer_refusal', 'factory_key', 'NORM_LAYERS']
 
 # timm looks its factories up with the name's underscores dropped: `patchnorm_ws` finds `patchnormws`
 NORM_LAYERS = dict(patchnorm=PatchNorm2d, patchnorm2d=PatchNorm2d, patchnormws=PatchNormWS2d,
@@ -54,7 +54,7 @@ CONVNEXT_NORM_LAYERS = dict(patchnorm=(functools.partial(PatchNorm2d, channels_l
                             l2norm=(L2Norm2d, L2Norm))
 
 
-def _factory_key(name: str) -> str:
+def factory_key(name: str) -> str:
     """The key timm's norm factories look `name` up by: lower case, underscores dropped."""
     return name.replace('_', '').lower()
 
@@ -122,7 +122,7 @@ def _with_slot_class(create_fn):
             return create_fn(*args, **kwargs)
         except (TypeError, KeyError) as e:
             norm = kwargs.get('norm_layer')
-            norm = _factory_key(norm) if isinstance(norm, str) else norm
+            norm = factory_key(norm) if isinstance(norm, str) else norm
             refusal = norm_layer_refusal(e) if norm in NORM_LAYERS else ''
             if refusal == 'swapped':
                 return _swap_batchnorms(create_fn(*args, **{k: v for k, v in kwargs.items() if k != 'norm_layer'}),
